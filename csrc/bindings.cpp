@@ -1,0 +1,34 @@
+// NB_MODULE(_ext): bindings only; every op lives in csrc/ops/.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "common/cpu_features.h"
+#include "common/thread_pool.h"
+#include "ops/silu_mul.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "mlxfast native kernels";
+
+  m.def("cpu_path", [] { return std::string(mlxfast::cpu_path_name(mlxfast::cpu_path())); },
+        "The CPU kernel path in use: portable, avx2, avx512 or neon.");
+  m.def("set_cpu_path", &mlxfast::set_cpu_path, "name"_a,
+        "Force a CPU kernel path ('' = automatic). Raises if unsupported.");
+  m.def("cpu_supports", [](const std::string& name) {
+        for (auto p : {mlxfast::CpuPath::Portable, mlxfast::CpuPath::Avx2,
+                       mlxfast::CpuPath::Avx512, mlxfast::CpuPath::Neon}) {
+          if (name == mlxfast::cpu_path_name(p)) return mlxfast::cpu_supports(p);
+        }
+        return false;
+      }, "name"_a);
+  m.def("num_threads", &mlxfast::num_threads);
+
+  m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
+        "stream"_a = nb::none());
+}

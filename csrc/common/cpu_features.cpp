@@ -1,0 +1,93 @@
+#include "common/cpu_features.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+
+namespace mlxfast {
+
+namespace {
+
+CpuPath best_path() {
+#if defined(MLXFAST_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma")) {
+    return CpuPath::Avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return CpuPath::Avx2;
+  }
+  return CpuPath::Portable;
+#elif defined(MLXFAST_ARM64)
+  return CpuPath::Neon;
+#else
+  return CpuPath::Portable;
+#endif
+}
+
+CpuPath parse_path(const std::string& s) {
+  if (s == "portable") return CpuPath::Portable;
+  if (s == "avx2") return CpuPath::Avx2;
+  if (s == "avx512") return CpuPath::Avx512;
+  if (s == "neon") return CpuPath::Neon;
+  throw std::invalid_argument(
+      "[mlxfast] unknown CPU path '" + s +
+      "' (expected portable, avx2, avx512 or neon)");
+}
+
+std::mutex g_mutex;
+bool g_init = false;
+CpuPath g_path = CpuPath::Portable;
+
+void set_locked(const std::string& name) {
+  if (name.empty()) {
+    g_path = best_path();
+  } else {
+    CpuPath p = parse_path(name);
+    if (!cpu_supports(p)) {
+      throw std::invalid_argument(
+          "[mlxfast] CPU path '" + name + "' is not supported by this CPU");
+    }
+    g_path = p;
+  }
+  g_init = true;
+}
+
+} // namespace
+
+bool cpu_supports(CpuPath path) {
+  CpuPath best = best_path();
+  if (path == CpuPath::Portable) return true;
+  if (best == CpuPath::Neon) return path == CpuPath::Neon;
+  if (path == CpuPath::Neon) return false;
+  return static_cast<int>(path) <= static_cast<int>(best);
+}
+
+CpuPath cpu_path() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_init) {
+    const char* env = std::getenv("MLXFAST_CPU_PATH");
+    set_locked(env ? std::string(env) : std::string());
+  }
+  return g_path;
+}
+
+void set_cpu_path(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  set_locked(name);
+}
+
+const char* cpu_path_name(CpuPath path) {
+  switch (path) {
+    case CpuPath::Portable: return "portable";
+    case CpuPath::Avx2: return "avx2";
+    case CpuPath::Avx512: return "avx512";
+    case CpuPath::Neon: return "neon";
+  }
+  return "?";
+}
+
+} // namespace mlxfast

@@ -1,0 +1,62 @@
+"""Native kernels with their pure-MLX references.
+
+Every op here works on every MLX backend: on the CPU it runs the native
+kernel from ``mlxfast._ext``; elsewhere (Metal without a kernel, CUDA) it runs
+the pure-MLX reference, which is also the native kernel's test oracle.
+The ``*_reference`` functions are public so that tests and other libraries can
+compare against them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import _ext
+
+
+def _on_cpu(stream=None) -> bool:
+    if stream is None:
+        return mx.default_device() == mx.cpu
+    if isinstance(stream, mx.Device):
+        return stream == mx.cpu
+    return stream.device == mx.cpu
+
+
+def cpu_path() -> str:
+    """The native CPU kernel path in use: ``portable``, ``avx2``, ``avx512`` or ``neon``.
+
+    ``MLXFAST_CPU_PATH`` in the environment lowers it (e.g. to test the
+    portable path on an AVX-512 machine).
+    """
+    return _ext.cpu_path()
+
+
+def set_cpu_path(name: str = "") -> None:
+    """Force a CPU kernel path for the process; ``""`` restores the automatic choice."""
+    _ext.set_cpu_path(name)
+
+
+def cpu_supports(name: str) -> bool:
+    """Whether this CPU can run the named kernel path."""
+    return _ext.cpu_supports(name)
+
+
+def num_threads() -> int:
+    """Threads the native kernels use (``MLXFAST_NUM_THREADS`` overrides)."""
+    return _ext.num_threads()
+
+
+def silu_mul_reference(gate: mx.array, up: mx.array) -> mx.array:
+    """Pure-MLX ``silu(gate) * up``."""
+    return (gate * mx.sigmoid(gate.astype(mx.float32)).astype(gate.dtype)) * up
+
+
+def silu_mul(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
+    """The gated-MLP activation ``silu(gate) * up`` as one primitive.
+
+    gate, up: same shape, float32 / float16 / bfloat16. Returns the same
+    shape and dtype. Computed in float32 and rounded once.
+    """
+    if _on_cpu(stream):
+        return _ext.silu_mul(gate, up, stream=stream)
+    return silu_mul_reference(gate, up)
