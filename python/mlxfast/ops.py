@@ -60,3 +60,41 @@ def silu_mul(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
     if _on_cpu(stream):
         return _ext.silu_mul(gate, up, stream=stream)
     return silu_mul_reference(gate, up)
+
+
+def quantized_matmul_reference(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+) -> mx.array:
+    """Pure-MLX ``x @ dequantize(w).T`` (MLX affine format): ``mx.quantized_matmul``."""
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+    )
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    stream=None,
+) -> mx.array:
+    """``x @ dequantize(w, scales, biases).T`` for MLX's affine quantization.
+
+    x: [..., K] float32/float16/bfloat16; w: [N, K * bits / 32] uint32;
+    scales, biases: [N, K / group_size]. Returns [..., N] in x's dtype.
+    Same semantics as ``mx.quantized_matmul`` with ``transpose=True``.
+    """
+    return quantized_matmul_reference(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+    )
