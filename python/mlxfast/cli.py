@@ -1,0 +1,68 @@
+"""``mlxfast serve | generate | convert``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mlxfast generate", description="Generate text with a model.")
+    p.add_argument("--model", default=None, help="HF/MLX directory or GGUF file (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
+    args = p.parse_args(argv)
+
+    from . import load, stream_generate
+
+    model, tokenizer = load(args.model)
+    for chunk in stream_generate(
+        model, tokenizer, args.prompt, max_tokens=args.max_tokens, temp=args.temp,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
+    ):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _convert(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mlxfast convert", description="Convert a GGUF file to an HF/MLX directory.")
+    p.add_argument("gguf")
+    p.add_argument("out_dir")
+    args = p.parse_args(argv)
+    from .convert import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out_dir)
+    print(f"wrote {out}")
+    return 0
+
+
+def _serve(argv: list[str]) -> int:
+    from .serve import main as serve_main
+
+    return serve_main(argv)
+
+
+COMMANDS = {"serve": _serve, "generate": _generate, "convert": _convert}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: mlxfast {serve,generate,convert} [options]  (mlxfast CMD --help)", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (FileNotFoundError, ValueError) as e:
+        print(f"mlxfast: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

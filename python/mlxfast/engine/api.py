@@ -1,0 +1,93 @@
+"""The contract between the HTTP routes and the engine.
+
+Routes build a ``Request`` (token ids + ``SamplingParams``), call
+``engine.submit(request)`` and iterate the returned async stream of events:
+zero or more ``TokenEvent`` then exactly one ``FinishEvent``. Text in
+``TokenEvent.text`` is already detokenized incrementally (never a broken
+UTF-8 character) and never contains a stop string or anything after it.
+``engine.abort(request_id)`` ends a request early (client disconnect).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+_ids = itertools.count()
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off (HF semantics, over prompt + output)
+    presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, never emitted
+    stop_token_ids: set[int] = field(default_factory=set)  # besides the model's EOS
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+    # Structured output: a zero-argument factory returning a fresh
+    # llguidance.LLMatcher for this request (None = unconstrained).
+    grammar: Callable[[], Any] | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    cache_salt: str = ""  # isolates prefix-cache sharing between tenants
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # new text this token made final (may be "")
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+@dataclass
+class FinishEvent:
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    text: str = ""  # text released at the end (held-back bytes, flushed)
+    stop_string: str | None = None  # the stop string matched, if any
+    stop_token_id: int | None = None  # the EOS/stop token that ended it, if any
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    error: str | None = None  # message when finish_reason == "error"
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has died; /health reports it and new requests fail fast."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt alone does not fit the context or the KV pool (a 400)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The wait queue is full (a 429/503 with Retry-After)."""
+
+
+# The engine's public surface (implemented in engine/engine.py):
+#
+#   engine = Engine(model, tokenizer, EngineConfig(...)); engine.start()
+#   stream = engine.submit(request)      # from inside a running asyncio loop;
+#                                        # raises EngineDead, PromptTooLong,
+#                                        # EngineOverloaded
+#   async for event in stream: ...       # TokenEvent* then one FinishEvent
+#   engine.abort(request_id)             # thread-safe; ends with "abort"
+#   engine.alive / engine.error          # health
+#   engine.stats() -> dict               # counters for /stats and /metrics
+#   engine.max_model_len                 # context length in tokens
+#   engine.shutdown(timeout)             # abort or finish in-flight, join thread

@@ -1,0 +1,1 @@
+"""Model families, their loaders and the registry that maps config to class."""

@@ -1,0 +1,160 @@
+"""GGUF (llama.cpp) files: metadata to an HF-style config, tensor names to
+HF names, and undoing llama.cpp's q/k row permutation.
+
+``mx.load`` reads the file: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
+groups of 32 (``weight`` uint32 + ``scales`` + ``biases``), F32/F16/BF16 as
+they are, other types converted to fp16.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+
+from .registry import GGUF_ARCHITECTURES
+
+GGUF_GROUP_SIZE = 32
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias|scales|biases)$")
+_TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias|scales|biases)$")
+
+
+def read_gguf(path: str) -> tuple[dict, dict]:
+    """``(tensors, metadata)`` from a GGUF file, with a clear error if it is damaged."""
+    try:
+        return mx.load(str(path), format="gguf", return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _scalar(meta: dict, key: str, default=None):
+    v = meta.get(key, default)
+    if isinstance(v, mx.array):
+        return v.item()
+    return v
+
+
+def gguf_config(meta: dict) -> dict:
+    """An HF ``config.json`` dict for a GGUF file's model."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def get(name, default=None):
+        return _scalar(meta, f"{arch}.{name}", default)
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size")
+    if vocab is None:
+        vocab = len(meta.get("tokenizer.ggml.tokens", []))
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // n_heads
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(head_dim),
+        "vocab_size": int(vocab),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": True,  # fixed below once tensors are known
+    }
+    scale = get("rope.scaling.factor")
+    kind = _scalar(meta, f"{arch}.rope.scaling.type")
+    if kind == "linear" and scale:
+        config["rope_scaling"] = {"type": "linear", "factor": float(scale)}
+    return config
+
+
+def _unpermute(w: mx.array, n_heads: int) -> mx.array:
+    """Invert llama.cpp's convert-time row permutation of q/k projections."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return (
+        w.reshape(n_heads, 2, rows // n_heads // 2, *rest)
+        .swapaxes(1, 2)
+        .reshape(rows, *rest)
+    )
+
+
+def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:
+    """Rename GGUF tensors to HF/MLX names; return ``(weights, quantization)``.
+
+    ``quantization`` is an mlx-lm style config: a default ``bits`` and
+    ``group_size`` plus per-module overrides where a tensor differs.
+    """
+    out = {}
+    for name, arr in tensors.items():
+        m = _LAYER_RE.match(name)
+        if m:
+            layer, part, kind = m.groups()
+            if part not in _LAYER_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+            out[f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"] = arr
+            continue
+        m = _TOP_RE.match(name)
+        if m and m.group(1) in _TOP_NAMES:
+            out[f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"] = arr
+            continue
+        if name.startswith("rope_freqs") or name.startswith("rope_factors"):
+            continue
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+    for i in range(config["num_hidden_layers"]):
+        for proj, heads in (("q_proj", config["num_attention_heads"]),
+                            ("k_proj", config["num_key_value_heads"])):
+            for kind in ("weight", "scales", "biases", "bias"):
+                key = f"model.layers.{i}.self_attn.{proj}.{kind}"
+                if key in out:
+                    out[key] = _unpermute(out[key], heads)
+
+    config["tie_word_embeddings"] = "lm_head.weight" not in out
+    return out, _quantization_of(out)
+
+
+def _quantization_of(weights: dict) -> dict:
+    """Per-module bits for every quantized module (group size 32 in GGUF)."""
+    bits_of = {}
+    for key, scales in weights.items():
+        if key.endswith(".scales"):
+            module = key[: -len(".scales")]
+            packed = weights[module + ".weight"].shape[-1]
+            in_dims = scales.shape[-1] * GGUF_GROUP_SIZE
+            bits_of[module] = packed * 32 // in_dims
+    if not bits_of:
+        return {}
+    counts: dict[int, int] = {}
+    for b in bits_of.values():
+        counts[b] = counts.get(b, 0) + 1
+    default_bits = max(counts, key=counts.get)
+    quant = {"group_size": GGUF_GROUP_SIZE, "bits": default_bits}
+    for module, b in bits_of.items():
+        if b != default_bits:
+            quant[module] = {"group_size": GGUF_GROUP_SIZE, "bits": b}
+    return quant

@@ -1,0 +1,165 @@
+"""Building blocks shared by the model families.
+
+Linear layers route through ``mlxfast.ops`` so that the native CPU kernels
+run on the CPU and MLX's own ops elsewhere. Parameter names follow MLX's
+(``weight``, ``scales``, ``biases``, ``bias``) so mlx-lm checkpoints load as
+they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import ops
+
+
+class Linear(nn.Module):
+    """Dense ``x @ weight.T (+ bias)``."""
+
+    def __init__(self, in_dims: int, out_dims: int, bias: bool = False):
+        super().__init__()
+        self.weight = mx.zeros((out_dims, in_dims))
+        if bias:
+            self.bias = mx.zeros((out_dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.matmul(x, self.weight.T)
+        if "bias" in self:
+            y = y + self.bias
+        return y
+
+
+class QuantizedLinear(nn.Module):
+    """Affine-quantized ``x @ dequantize(weight).T (+ bias)`` (MLX format)."""
+
+    def __init__(self, in_dims: int, out_dims: int, bias: bool, group_size: int, bits: int):
+        super().__init__()
+        if in_dims % group_size:
+            raise ValueError(
+                f"input size {in_dims} is not a multiple of the group size {group_size}"
+            )
+        self.group_size = group_size
+        self.bits = bits
+        self.weight = mx.zeros((out_dims, in_dims * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((out_dims, in_dims // group_size))
+        self.biases = mx.zeros((out_dims, in_dims // group_size))
+        if bias:
+            self.bias = mx.zeros((out_dims,))
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = ops.quantized_matmul(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+        if "bias" in self:
+            y = y + self.bias
+        return y
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dims: int):
+        super().__init__()
+        self.weight = mx.zeros((num, dims))
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.weight[ids]
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return mx.matmul(x, self.weight.T)
+
+
+class QuantizedEmbedding(nn.Module):
+    def __init__(self, num: int, dims: int, group_size: int, bits: int):
+        super().__init__()
+        self.group_size = group_size
+        self.bits = bits
+        self.weight = mx.zeros((num, dims * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((num, dims // group_size))
+        self.biases = mx.zeros((num, dims // group_size))
+        self.freeze()
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return mx.dequantize(
+            self.weight[ids],
+            self.scales[ids],
+            self.biases[ids],
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return ops.quantized_matmul(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class RoPE(nn.Module):
+    """Rotary embedding (HF "half" layout), with llama3 frequency scaling."""
+
+    def __init__(self, dims: int, base: float, scaling: dict | None, traditional: bool = False):
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        self.base = base
+        self.scale = 1.0
+        self._freqs = None
+        kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+        if kind in (None, "default"):
+            pass
+        elif kind == "linear":
+            self.scale = 1.0 / float(scaling["factor"])
+        elif kind == "llama3":
+            self._freqs = _llama3_freqs(dims, base, scaling)
+        else:
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+    def __call__(self, x: mx.array, offset) -> mx.array:
+        if self._freqs is not None:
+            return mx.fast.rope(
+                x, self.dims, traditional=self.traditional, base=None,
+                scale=1.0, offset=offset, freqs=self._freqs,
+            )
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=self.base,
+            scale=self.scale, offset=offset,
+        )
+
+
+def _llama3_freqs(dims: int, base: float, cfg: dict) -> mx.array:
+    factor = float(cfg["factor"])
+    low = float(cfg.get("low_freq_factor", 1.0))
+    high = float(cfg.get("high_freq_factor", 4.0))
+    old_len = float(cfg.get("original_max_position_embeddings", 8192))
+    freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelens = 2 * math.pi * freqs
+    low_wl, high_wl = old_len / low, old_len / high
+    freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
+    medium = (wavelens > high_wl) & (wavelens < low_wl)
+    smooth = (old_len / wavelens - low) / (high - low)
+    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+    return mx.where(medium, smooth_freqs, freqs)

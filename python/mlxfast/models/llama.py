@@ -1,0 +1,183 @@
+"""The Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k norm).
+
+The model never knows how KV is stored: each attention layer hands its
+rotated q and new k/v to ``cache.attend(layer, q, k, v, scale)``, and reads
+positions from ``cache.offsets`` (an int, or an int32 array with one offset
+per batch row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import ops
+from .layers import Embedding, Linear, RMSNorm, RoPE
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_traditional: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        kind = config.get("model_type")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in config.items() if k in known and k != "extra"}
+        if kind == "qwen2":
+            kwargs.setdefault("attention_bias", True)
+            kwargs.setdefault("tie_word_embeddings", False)
+        elif kind == "qwen3":
+            kwargs["qk_norm"] = True
+            kwargs["attention_bias"] = bool(config.get("attention_bias", False))
+        kwargs.setdefault("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)))
+        missing = [n for n in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                               "num_attention_heads", "vocab_size") if n not in kwargs]
+        if missing:
+            raise ValueError(f"config.json is missing {', '.join(missing)}")
+        return cls(**kwargs)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = hd = args.head_dim
+        self.scale = hd**-0.5
+        bias = args.attention_bias
+        o_bias = bias and args.model_type not in ("qwen2", "qwen3")
+        self.q_proj = Linear(args.hidden_size, self.n_heads * hd, bias=bias)
+        self.k_proj = Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = Linear(self.n_heads * hd, args.hidden_size, bias=o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+        self.rope = RoPE(hd, args.rope_theta, args.rope_scaling, args.rope_traditional)
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q.transpose(0, 2, 1, 3)
+        k = k.transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        q = self.rope(q, cache.offsets)
+        k = self.rope(k, cache.offsets)
+        out = cache.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, m = args.hidden_size, args.intermediate_size
+        self.gate_proj = Linear(h, m, bias=args.mlp_bias)
+        self.up_proj = Linear(h, m, bias=args.mlp_bias)
+        self.down_proj = Linear(m, h, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Body(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    """Causal LM: ``model(tokens [B, L], cache) -> logits [B, L, vocab]``.
+
+    ``logit_rows`` (an int32 array of flat row indices into B*L) restricts the
+    output head to those positions, e.g. the last token of each prefill.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Body(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def __call__(self, tokens: mx.array, cache, logit_rows: mx.array | None = None) -> mx.array:
+        h = self.model.embed_tokens(tokens)
+        if h.dtype != self.dtype:
+            h = h.astype(self.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cache)
+        if logit_rows is not None:
+            h = h.reshape(-1, h.shape[-1])[logit_rows]
+        h = self.model.norm(h)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The activation dtype: the norms' dtype (fp32 for GGUF models)."""
+        return self.model.norm.weight.dtype
+
+    def sanitize(self, weights: dict) -> dict:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            weights.pop("lm_head.scales", None)
+            weights.pop("lm_head.biases", None)
+        return weights

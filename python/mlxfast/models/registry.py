@@ -1,0 +1,23 @@
+"""Model types mlxfast can run, and the class for each."""
+
+from __future__ import annotations
+
+from . import llama
+
+MODEL_TYPES = {
+    "llama": llama,
+    "mistral": llama,
+    "qwen2": llama,
+    "qwen3": llama,
+}
+
+GGUF_ARCHITECTURES = ("llama",)
+
+
+def model_module(model_type: str | None):
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model type {model_type!r}; supported: "
+            + ", ".join(sorted(MODEL_TYPES))
+        )
+    return MODEL_TYPES[model_type]
