@@ -96,14 +96,26 @@ def load_hf_dir(path: Path):
     return model, tokenizer
 
 
-def _quant_params(quantization: dict, module_path: str):
-    """(group_size, bits) for a module, or None when it stays unquantized."""
+def _quant_params(quantization: dict, module_path: str, weights: dict):
+    """(group_size, bits) for a module, or None when it stays unquantized.
+
+    A per-module override wins; otherwise the group size comes from the config
+    and the bits from the packed shape, as mlx-lm infers them."""
     override = quantization.get(module_path)
     if override is False:
         return None
+    mode = (override if isinstance(override, dict) else quantization).get("mode", "affine")
+    if mode != "affine":
+        raise ValueError(f"{module_path}: quantization mode {mode!r} is not supported (only affine)")
     if isinstance(override, dict):
         return int(override["group_size"]), int(override["bits"])
-    return int(quantization.get("group_size", 64)), int(quantization.get("bits", 4))
+    group_size = int(quantization.get("group_size", 64))
+    packed = weights[f"{module_path}.weight"].shape[-1]
+    in_dims = weights[f"{module_path}.scales"].shape[-1] * group_size
+    bits = packed * 32 // in_dims if in_dims else 0
+    if bits not in (2, 3, 4, 5, 6, 8):
+        bits = int(quantization.get("bits", 4))
+    return group_size, bits
 
 
 def _set_child(root: nn.Module, path: str, child: nn.Module) -> None:
@@ -129,7 +141,7 @@ def build_model(config: dict, weights: dict, quantization: dict, source: str = "
     for path, layer in list(model.named_modules()):
         if not isinstance(layer, (Linear, Embedding)) or f"{path}.scales" not in weights:
             continue
-        params = _quant_params(quantization, path)
+        params = _quant_params(quantization, path, weights)
         if params is None:
             raise ValueError(f"{source}: {path} has quantized weights but the config says it is not quantized")
         group_size, bits = params

@@ -1,0 +1,93 @@
+"""Every supported HF model type, as a tiny random model, against mlx-lm."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+from tiny_models import make_tiny_model
+
+from mlxfast.kv import DenseKVCache
+from mlxfast.models.loader import build_model, load_hf_dir, read_hf_config
+
+TOKENS = [[5, 17, 99, 3, 200, 42, 7, 150, 64, 11], [8, 8, 250, 31, 4, 77, 190, 12, 3, 9]]
+
+
+def _build(path):
+    # The model half of mlxfast.load(); the tokenizer is tested elsewhere.
+    import json
+
+    config = read_hf_config(path)
+    weights = mx.load(str(path / "model.safetensors"))
+    return build_model(config, weights, config.get("quantization") or {})
+
+
+def _rel_err(a, b):
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+CASES = [
+    ("llama", mx.float32, None),
+    ("mistral", mx.float32, None),
+    ("qwen2", mx.float32, None),
+    ("qwen3", mx.float32, None),
+    ("llama", mx.float16, None),
+    ("qwen3", mx.bfloat16, None),
+    ("llama", mx.float32, {"group_size": 32, "bits": 4}),
+    ("mistral", mx.float16, {"group_size": 64, "bits": 8}),
+    ("qwen2", mx.float32, {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}),
+    ("qwen3", mx.float32, {"group_size": 32, "bits": 4, "lm_head": False}),
+]
+TOL = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("model_type,dtype,quant", CASES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, batch):
+    path = make_tiny_model(tmp_path / "m", model_type, dtype=dtype, quantize=quant)
+    ours = _build(path)
+    ref, _ = load_model(path)
+    tokens = mx.array(TOKENS[:batch])
+    tol = TOL[dtype] if quant is None else max(TOL[dtype], 2e-3)
+
+    # Whole sequence in one forward, no cache reuse.
+    full = ours(tokens, DenseKVCache(len(ours.layers)))
+    full_ref = ref(tokens)
+    assert full.shape == full_ref.shape == (batch, tokens.shape[1], 256)
+    assert _rel_err(full, full_ref) < tol
+
+    # A prefix, then one token at a time through the KV cache.
+    cache = DenseKVCache(len(ours.layers))
+    ref_cache = make_prompt_cache(ref)
+    steps = [ours(tokens[:, :6], cache)]
+    cache.advance(6)
+    ref_steps = [ref(tokens[:, :6], cache=ref_cache)]
+    for i in range(6, tokens.shape[1]):
+        steps.append(ours(tokens[:, i:i + 1], cache))
+        cache.advance(1)
+        ref_steps.append(ref(tokens[:, i:i + 1], cache=ref_cache))
+    inc, inc_ref = mx.concatenate(steps, axis=1), mx.concatenate(ref_steps, axis=1)
+    assert _rel_err(inc, inc_ref) < tol
+    assert _rel_err(inc, full_ref) < max(tol, 1e-3 if dtype == mx.float32 else tol)
+
+
+def test_quantized_layers_are_quantized(tmp_path):
+    quant = {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}, "lm_head": False}
+    path = make_tiny_model(tmp_path / "m", "qwen3", quantize=quant)
+    model = _build(path)
+    from mlxfast.models.layers import Linear, QuantizedEmbedding, QuantizedLinear
+
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert model.model.embed_tokens.bits == 8
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    assert model.model.layers[0].self_attn.q_proj.bits == 4
+    assert isinstance(model.lm_head, Linear)
+
+
+def test_load_hf_dir_returns_model_and_tokenizer(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "llama")
+    model, tok = load_hf_dir(path)
+    ids = tok.encode("w5 w17 w99", add_special_tokens=False)
+    assert ids == [5, 17, 99]
+    logits = model(mx.array([ids]), DenseKVCache(len(model.layers)))
+    assert logits.shape == (1, 3, 256)
