@@ -1,0 +1,148 @@
+"""Chat templates rendered the way Hugging Face transformers renders them.
+
+Templates come from model files and are untrusted, so they run in jinja2's
+immutable sandbox. The environment matches transformers': ``trim_blocks`` and
+``lstrip_blocks``, the loop-controls extension, a no-op ``{% generation %}``
+block, ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps
+non-ASCII text and accepts ``indent``/``separators``/``sort_keys``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Names a message's reasoning may arrive under; templates read the first, and
+# gpt-oss templates read "thinking".
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+class _SafeNamespace(jinja2.utils.Namespace):
+    """``namespace()`` that refuses underscore attributes (no sandbox escapes)."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 - mirrors jinja2's Namespace signature
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _SafeNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _SafeNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates may not set underscore attributes on a namespace ({name!r})"
+            )
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja2's own tojson escapes HTML characters, which would change prompts.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template; a syntax error raises ``ValueError``."""
+    if not isinstance(source, str) or not source:
+        raise ValueError("chat template must be a non-empty string")
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _SafeNamespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template syntax error (line {e.lineno}): {e.message}") from e
+
+
+def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of message dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if hasattr(m, "model_dump"):
+            m = m.model_dump()
+        if not isinstance(m, Mapping):
+            raise ValueError(f"message {i} must be a dict, got {type(m).__name__}")
+        if "role" not in m:
+            raise ValueError(f"message {i} has no 'role'")
+        # Keys set to None (OpenAI's content=None, tool_calls=None) are dropped:
+        # templates test for presence and would otherwise print "None".
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """Render ``messages`` with ``template``.
+
+    ``template_kwargs`` become template variables (``bos_token``,
+    ``eos_token``, ``enable_thinking``, ``documents``, ...). Any error raised by
+    the template, including ``raise_exception(...)``, surfaces as ``ValueError``.
+    """
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+    ):
+        raise ValueError("tools must be a list of JSON-schema dicts")
+    compiled = compile_template(template)
+    try:
+        return compiled.render(
+            messages=_normalize_messages(messages),
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template error: {e.message or e}") from e
+    except (TypeError, KeyError, AttributeError, IndexError) as e:
+        raise ValueError(f"chat template failed on these messages: {e}") from e
