@@ -7,6 +7,7 @@
 
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
+#include "ops/quantized_matmul.h"
 #include "ops/silu_mul.h"
 
 namespace nb = nanobind;
@@ -30,5 +31,8 @@ NB_MODULE(_ext, m) {
   m.def("num_threads", &mlxfast::num_threads);
 
   m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
+        "stream"_a = nb::none());
+  m.def("quantized_matmul", &mlxfast::quantized_matmul, "x"_a, "w"_a, "scales"_a,
+        "biases"_a, nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
         "stream"_a = nb::none());
 }

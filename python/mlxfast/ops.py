@@ -91,10 +91,60 @@ def quantized_matmul(
 ) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` for MLX's affine quantization.
 
-    x: [..., K] float32/float16/bfloat16; w: [N, K * bits / 32] uint32;
-    scales, biases: [N, K / group_size]. Returns [..., N] in x's dtype.
-    Same semantics as ``mx.quantized_matmul`` with ``transpose=True``.
+    x: [..., K] float32/float16/bfloat16; w: [N, K * bits / 32] uint32 (values
+    packed LSB-first); scales, biases: [N, K / group_size], float32/float16/
+    bfloat16 (same dtype as each other, not necessarily x's — GGUF weights
+    keep float16 scales with float32 activations). bits: 2, 3, 4, 5, 6 or 8
+    (SIMD kernels for 4 and 8); group_size: 32, 64 or 128. Returns [..., N]
+    in x's dtype (``mx.quantized_matmul`` would promote fp16 x with fp32
+    scales to fp32), accumulated in float32.
+
+    On the CPU this is one native primitive (GEMV path for up to 8 rows,
+    blocked GEMM above); elsewhere, and for ``transpose=False``, it is
+    ``mx.quantized_matmul``. Bad shapes/dtypes raise ``ValueError``.
     """
-    return quantized_matmul_reference(
+    if biases is None:
+        raise ValueError("[mlxfast.quantized_matmul] biases are required (affine quantization).")
+    if transpose and _on_cpu(stream):
+        return _ext.quantized_matmul(
+            x, w, scales, biases, group_size=group_size, bits=bits, stream=stream
+        )
+    out = quantized_matmul_reference(
         x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+    )
+    return out.astype(x.dtype) if out.dtype != x.dtype else out
+
+
+def dequantize_rows_reference(
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    ids: mx.array,
+    *,
+    group_size: int = 64,
+    bits: int = 4,
+) -> mx.array:
+    """Pure-MLX oracle for :func:`dequantize_rows`: dequantize all of ``w``, then gather."""
+    full = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    return full[ids]
+
+
+def dequantize_rows(
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    ids: mx.array,
+    *,
+    group_size: int = 64,
+    bits: int = 4,
+) -> mx.array:
+    """Quantized embedding lookup: rows ``ids`` of ``dequantize(w, scales, biases)``.
+
+    w: [V, D * bits / 32] uint32; scales, biases: [V, D / group_size];
+    ids: integer array of any shape. Returns [*ids.shape, D] in scales' dtype.
+    Gathers the packed rows first, so only the looked-up rows are dequantized
+    (a plain MLX graph: a gather and a dequantize, on every backend).
+    """
+    return mx.dequantize(
+        w[ids], scales[ids], biases[ids], group_size=group_size, bits=bits
     )

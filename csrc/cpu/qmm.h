@@ -1,0 +1,159 @@
+// Private interface of the quantized-matmul CPU kernels (csrc/cpu/qmm_*.cpp).
+//
+// y[m, n] = sum_k x[m, k] * (scale[n, g(k)] * q[n, k] + bias[n, g(k)])
+// with q packed LSB-first as a bit stream along each row of w (MLX's affine
+// format; for bits 4 and 8 that is "little end first within each uint32").
+//
+// Each ISA file implements run_<isa>(), which picks the GEMV path (few rows,
+// memory-bound) or the blocked GEMM path (many rows, compute-bound) itself and
+// fans out over the shared thread pool.
+//
+// ODR note: this header is compiled with different ISA flags in different
+// files. Everything defined here lives in an anonymous namespace so that the
+// linker can never merge an AVX-512 copy of a helper into the portable path.
+// For the same reason the ISA files use no std:: containers (their template
+// instantiations would be shared across flags), only raw buffers.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace mlxfast {
+namespace qmm {
+
+enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+struct Args {
+  const void* x;        // [M, K] in x_dtype, row-major contiguous
+  const uint32_t* w;    // [N, K * bits / 32]
+  const void* scales;   // [N, K / group_size] in s_dtype
+  const void* biases;   // [N, K / group_size] in s_dtype
+  void* out;            // [M, N] in x_dtype
+  int64_t M, N, K;
+  int group_size, bits;
+  DType x_dtype, s_dtype;
+};
+
+// Rows up to which the GEMV (weight-streaming) path is used; above it the
+// blocked GEMM path dequantizes weight panels once and reuses them.
+constexpr int64_t kGemvMaxRows = 8;
+
+// parallel_for over the shared pool, defined in ops/quantized_matmul.cpp
+// (baseline flags) so that ISA files never instantiate std::function.
+void parallel(int64_t n, int64_t grain, void (*fn)(void* ctx, int64_t, int64_t),
+              void* ctx);
+
+void run_portable(const Args& a);
+#if defined(MLXFAST_X86)
+void run_avx2(const Args& a);
+void run_avx512(const Args& a);
+#endif
+#if defined(MLXFAST_ARM64)
+void run_neon(const Args& a);
+#endif
+
+namespace {
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    float f = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -f : f;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_f16(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
+  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (x < 0x38800000u) {  // half subnormal or zero
+    float a;
+    std::memcpy(&a, &x, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  x += 0xfffu + ((x >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((x - 0x38000000u) >> 13));
+}
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load_f32(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case F32: return static_cast<const float*>(p)[i];
+    case F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+inline void store_f32(void* p, DType dt, int64_t i, float v) {
+  switch (dt) {
+    case F32: static_cast<float*>(p)[i] = v; break;
+    case F16: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
+    default: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+  }
+}
+
+// The i-th value of a packed row (bits <= 8, LSB-first bit stream).
+inline uint32_t unpack_value(const uint8_t* row, int64_t i, int bits) {
+  int64_t bit = i * bits;
+  int64_t byte = bit >> 3;
+  int sh = static_cast<int>(bit & 7);
+  uint32_t v = row[byte] >> sh;
+  if (sh + bits > 8) v |= static_cast<uint32_t>(row[byte + 1]) << (8 - sh);
+  return v & ((1u << bits) - 1u);
+}
+
+// Per-thread scratch that only grows (pool threads live for the process).
+struct Scratch {
+  float* p = nullptr;
+  size_t cap = 0;
+  float* get(size_t n) {
+    if (n > cap) {
+      std::free(p);
+      size_t bytes = ((n * sizeof(float)) + 63) & ~static_cast<size_t>(63);
+      p = static_cast<float*>(std::aligned_alloc(64, bytes));
+      cap = bytes / sizeof(float);
+    }
+    return p;
+  }
+};
+
+template <class F>
+inline void par(int64_t n, int64_t grain, F& f) {
+  parallel(n, grain,
+           [](void* c, int64_t b, int64_t e) { (*static_cast<F*>(c))(b, e); }, &f);
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+} // namespace
+} // namespace qmm
+} // namespace mlxfast

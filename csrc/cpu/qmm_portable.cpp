@@ -1,0 +1,87 @@
+// Portable C++ quantized matmul: any bits in 2..8, any x86_64/arm64/other
+// CPU. Dequantizes a few weight rows at a time to fp32 and takes dot
+// products against fp32 activations. Correctness reference for the SIMD
+// paths and their fallback for bit widths they do not specialize.
+#include "cpu/qmm.h"
+
+namespace mlxfast {
+namespace qmm {
+
+namespace {
+
+thread_local Scratch tl_x;
+thread_local Scratch tl_w;
+
+constexpr int kRows = 4;  // weight rows dequantized together
+
+// Dequantize row n of w into dst[K] (fp32).
+void dequant_row(const Args& a, int64_t n, float* dst) {
+  const int64_t G = a.K / a.group_size;
+  const int64_t row_bytes = a.K * a.bits / 8;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
+  for (int64_t g = 0; g < G; ++g) {
+    float s = load_f32(a.scales, a.s_dtype, n * G + g);
+    float b = load_f32(a.biases, a.s_dtype, n * G + g);
+    int64_t k0 = g * a.group_size;
+    if (a.bits == 4) {
+      for (int64_t k = 0; k < a.group_size; k += 2) {
+        uint8_t byte = row[(k0 + k) >> 1];
+        dst[k0 + k] = s * static_cast<float>(byte & 0xf) + b;
+        dst[k0 + k + 1] = s * static_cast<float>(byte >> 4) + b;
+      }
+    } else if (a.bits == 8) {
+      for (int64_t k = 0; k < a.group_size; ++k) {
+        dst[k0 + k] = s * static_cast<float>(row[k0 + k]) + b;
+      }
+    } else {
+      for (int64_t k = 0; k < a.group_size; ++k) {
+        dst[k0 + k] = s * static_cast<float>(unpack_value(row, k0 + k, a.bits)) + b;
+      }
+    }
+  }
+}
+
+// 8 independent partial sums so that the compiler can vectorize without
+// reassociating a single accumulator.
+inline float dot(const float* x, const float* w, int64_t K) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += x[k + j] * w[k + j];
+  }
+  for (; k < K; ++k) acc[0] += x[k] * w[k];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+} // namespace
+
+void run_portable(const Args& a) {
+  const int64_t M = a.M, N = a.N, K = a.K;
+  // Activations in fp32 once.
+  const float* xf;
+  if (a.x_dtype == F32) {
+    xf = static_cast<const float*>(a.x);
+  } else {
+    float* buf = tl_x.get(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) buf[i] = load_f32(a.x, a.x_dtype, i);
+    xf = buf;
+  }
+  const int64_t blocks = ceil_div(N, kRows);
+  auto body = [&a, xf, M, N, K](int64_t b0, int64_t b1) {
+    float* wbuf = tl_w.get(static_cast<size_t>(kRows * K));
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      int64_t n0 = blk * kRows;
+      int rows = static_cast<int>(N - n0 < kRows ? N - n0 : kRows);
+      for (int r = 0; r < rows; ++r) dequant_row(a, n0 + r, wbuf + r * K);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int r = 0; r < rows; ++r) {
+          store_f32(a.out, a.x_dtype, m * N + n0 + r, dot(xf + m * K, wbuf + r * K, K));
+        }
+      }
+    }
+  };
+  par(blocks, 1, body);
+}
+
+} // namespace qmm
+} // namespace mlxfast

@@ -1,0 +1,223 @@
+"""Parity of mlxfast.ops.quantized_matmul (native CPU kernels) with MLX.
+
+Oracle: dequantize with MLX, then an fp32 matmul. Error is measured against
+the natural scale of the sum, |x| @ |W|.T (per output element), so the
+tolerance means "relative rounding error of the accumulation":
+  fp32 output: 2e-5   (fp32 accumulation over K <= 4096 in a different order)
+  fp16 output: 1e-3   (one rounding to fp16, 2^-11, plus the fp32 part)
+  bf16 output: 8e-3   (one rounding to bf16, 2^-8)
+Every CPU path this machine can run is forced in turn.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxfast import ops
+
+ALL_PATHS = ("portable", "avx2", "avx512", "neon")
+# Capability, not skip-to-green: only paths this CPU can execute are listed.
+PATHS = [p for p in ALL_PATHS if ops.cpu_supports(p)]
+TOL = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    ops.set_cpu_path(request.param)
+    try:
+        yield request.param
+    finally:
+        ops.set_cpu_path("")
+
+
+def test_portable_path_is_always_available():
+    assert "portable" in PATHS
+    assert ops.cpu_path() in PATHS
+
+
+def make_weights(N, K, group_size, bits, sdtype, seed=0):
+    mx.random.seed(seed)
+    w = mx.random.normal((N, K)) * 0.05
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    return wq, s.astype(sdtype), b.astype(sdtype)
+
+
+def oracle(x, wq, s, b, group_size, bits):
+    wf = mx.dequantize(
+        wq, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=bits
+    )
+    xf = x.astype(mx.float32)
+    ref = xf @ wf.T
+    scale = mx.abs(xf) @ mx.abs(wf).T
+    return ref, scale
+
+
+def check(x, wq, s, b, group_size, bits):
+    got = ops.quantized_matmul(x, wq, s, b, group_size=group_size, bits=bits)
+    ref, scale = oracle(x, wq, s, b, group_size, bits)
+    assert got.dtype == x.dtype
+    assert got.shape == (*x.shape[:-1], wq.shape[0])
+    err = mx.abs(got.astype(mx.float32) - ref) / (scale + 1e-30)
+    worst = err.max().item()
+    assert np.isfinite(worst) and worst <= TOL[x.dtype], (worst, x.dtype)
+
+
+SHAPES = [  # (M, N, K)
+    (1, 1, 32),
+    (1, 7, 64),
+    (1, 576, 576),
+    (1, 33, 1536),
+    (2, 45, 128),
+    (3, 17, 256),
+    (5, 100, 96),
+    (8, 64, 384),
+    (9, 31, 160),
+    (13, 50, 256),
+    (16, 96, 128),
+    (37, 65, 320),
+    (64, 192, 576),
+]
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_shapes_fp32(path, M, N, K, bits):
+    gs = 32
+    wq, s, b = make_weights(N, K, gs, bits, mx.float16, seed=M * 1000 + N)
+    x = mx.random.normal((M, K))
+    check(x, wq, s, b, gs, bits)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M", [1, 4, 24])
+def test_group_sizes(path, group_size, bits, M):
+    K = 3 * 128
+    wq, s, b = make_weights(37, K, group_size, bits, mx.float32, seed=group_size)
+    x = mx.random.normal((M, K)) * 3
+    check(x, wq, s, b, group_size, bits)
+
+
+@pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 20])
+def test_dtypes(path, xdtype, sdtype, M):
+    wq, s, b = make_weights(70, 256, 64, 4, sdtype, seed=1)
+    x = mx.random.normal((M, 256)).astype(xdtype)
+    check(x, wq, s, b, 64, 4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_other_bit_widths(path, bits):
+    wq, s, b = make_weights(19, 192, 32, bits, mx.float16, seed=bits)
+    for M in (1, 17):
+        check(mx.random.normal((M, 192)), wq, s, b, 32, bits)
+
+
+def test_batched_and_non_contiguous(path):
+    wq, s, b = make_weights(48, 128, 32, 4, mx.float16)
+    x = mx.random.normal((2, 3, 128))
+    check(x, wq, s, b, 32, 4)
+    xt = mx.random.normal((128, 6)).T  # non-contiguous [6, 128]
+    check(xt, wq, s, b, 32, 4)
+    xs = mx.random.normal((4, 20, 128))[:, ::2]  # strided [4, 10, 128]
+    check(xs, wq, s, b, 32, 4)
+
+
+def test_group_boundary_extremes(path):
+    # Every value 0 or 2^bits - 1, alternating per group: exercises unpacking
+    # of the top nibble/byte and the scale/bias switch at each group edge.
+    N, K, gs = 9, 256, 32
+    for bits in (4, 8):
+        top = (1 << bits) - 1
+        q = np.zeros((N, K), np.uint32)
+        q[:, ::3] = top
+        q[:, (np.arange(K) // gs) % 2 == 1] ^= top
+        per = 32 // bits
+        packed = np.zeros((N, K // per), np.uint32)
+        for j in range(per):
+            packed |= q[:, j::per] << (bits * j)
+        wq = mx.array(packed)
+        rng = np.random.default_rng(bits)
+        s = mx.array(rng.uniform(0.01, 0.1, (N, K // gs)).astype(np.float16))
+        b = mx.array(rng.uniform(-1, 1, (N, K // gs)).astype(np.float16))
+        ref_w = mx.dequantize(
+            wq, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits
+        )
+        assert np.allclose(
+            np.array(ref_w),
+            np.array(s, np.float32).repeat(gs, 1) * q + np.array(b, np.float32).repeat(gs, 1),
+            atol=1e-5,
+        )
+        for M in (1, 3, 30):
+            check(mx.random.normal((M, K)), wq, s, b, gs, bits)
+
+
+@pytest.mark.parametrize("M", [1, 6, 40])
+def test_matches_mx_quantized_matmul(path, M):
+    # The model's case: fp32 activations, fp16 scales/biases, bits 4, group 32.
+    wq, s, b = make_weights(192, 576, 32, 4, mx.float16, seed=3)
+    x = mx.random.normal((M, 576))
+    got = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4)
+    want = mx.quantized_matmul(x, wq, s, b, group_size=32, bits=4)
+    scale = mx.abs(x) @ mx.abs(mx.dequantize(wq, s, b, group_size=32, bits=4)).T
+    assert (mx.abs(got - want) / scale).max().item() <= 2e-5
+
+
+def test_empty_and_reference_fallbacks():
+    wq, s, b = make_weights(8, 64, 32, 4, mx.float32)
+    out = ops.quantized_matmul(mx.zeros((0, 64)), wq, s, b, group_size=32, bits=4)
+    assert out.shape == (0, 8)
+    # transpose=False is not a native case: it runs MLX's op.
+    wq2, s2, b2 = make_weights(64, 64, 32, 4, mx.float32)
+    x = mx.random.normal((2, 64))
+    got = ops.quantized_matmul(x, wq2, s2, b2, transpose=False, group_size=32, bits=4)
+    want = mx.quantized_matmul(x, wq2, s2, b2, transpose=False, group_size=32, bits=4)
+    assert mx.allclose(got, want)
+
+
+def test_validation_errors():
+    wq, s, b = make_weights(8, 64, 32, 4, mx.float16)
+    x = mx.zeros((2, 64))
+    qm = ops.quantized_matmul
+    with pytest.raises(ValueError, match=r"\[mlxfast.quantized_matmul\].*shape mismatch"):
+        qm(mx.zeros((2, 96)), wq, s, b, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        qm(mx.zeros((2, 48)), wq, s, b, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="bits"):
+        qm(x, wq, s, b, group_size=32, bits=7)
+    with pytest.raises(ValueError, match="group_size"):
+        qm(x, wq, s, b, group_size=16, bits=4)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        qm(x, wq, s, b, group_size=64, bits=4)  # scales have 2 groups per row
+    with pytest.raises(ValueError, match="shape mismatch"):
+        qm(x, wq, s[:4], b[:4], group_size=32, bits=4)
+    with pytest.raises(ValueError, match="x must be"):
+        qm(x.astype(mx.int32), wq, s, b, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="w must be uint32"):
+        qm(x, wq.astype(mx.int32), s, b, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="same dtype as scales"):
+        qm(x, wq, s, b.astype(mx.float32), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="biases"):
+        qm(x, wq, s, None, group_size=32, bits=4)
+
+
+def test_dequantize_rows():
+    wq, s, b = make_weights(100, 128, 32, 4, mx.float16)
+    ids = mx.array([[3, 99, 0], [7, 7, 42]])
+    got = ops.dequantize_rows(wq, s, b, ids, group_size=32, bits=4)
+    want = ops.dequantize_rows_reference(wq, s, b, ids, group_size=32, bits=4)
+    assert got.shape == (2, 3, 128) and got.dtype == mx.float16
+    assert mx.array_equal(got, want)
+
+
+def test_inside_compile_and_graph():
+    wq, s, b = make_weights(64, 128, 32, 4, mx.float16)
+
+    @mx.compile
+    def f(x):
+        return ops.quantized_matmul(x * 2, wq, s, b, group_size=32, bits=4) + 1
+
+    x = mx.random.normal((3, 128))
+    ref, _ = oracle(x * 2, wq, s, b, 32, 4)
+    assert mx.allclose(f(x), ref + 1, atol=1e-4)
