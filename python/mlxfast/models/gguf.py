@@ -12,6 +12,7 @@ import re
 
 import mlx.core as mx
 
+from .gguf_check import check_gguf
 from .registry import GGUF_ARCHITECTURES
 
 GGUF_GROUP_SIZE = 32
@@ -40,6 +41,7 @@ _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias|scales|biases)$")
 
 def read_gguf(path: str) -> tuple[dict, dict]:
     """``(tensors, metadata)`` from a GGUF file, with a clear error if it is damaged."""
+    check_gguf(path)
     try:
         return mx.load(str(path), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError) as e:
@@ -97,7 +99,7 @@ def _unpermute(w: mx.array, n_heads: int) -> mx.array:
     rows = w.shape[0]
     rest = w.shape[1:]
     return (
-        w.reshape(n_heads, 2, rows // n_heads // 2, *rest)
+        w.reshape(n_heads, rows // n_heads // 2, 2, *rest)
         .swapaxes(1, 2)
         .reshape(rows, *rest)
     )

@@ -88,10 +88,11 @@ class QuantizedEmbedding(nn.Module):
         self.freeze()
 
     def __call__(self, ids: mx.array) -> mx.array:
+        # Dequantize in float32: fp16 scales would round every element.
         return mx.dequantize(
             self.weight[ids],
-            self.scales[ids],
-            self.biases[ids],
+            self.scales[ids].astype(mx.float32),
+            self.biases[ids].astype(mx.float32),
             group_size=self.group_size,
             bits=self.bits,
         )

@@ -1,0 +1,74 @@
+"""Tiny llama-architecture GGUF files written the way llama.cpp's converter
+writes them (q/k rows permuted, tensors renamed, 2-D weights quantized), with
+the `gguf` package as an independent quantizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")
+    layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    return f"blk.{layer}.{NAMES[module]}.{kind}"
+
+
+def roundtrip(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """What a weight becomes after quantizing to qtype (fp32 values)."""
+    if qtype == GGMLQuantizationType.F32:
+        return w
+    if qtype == GGMLQuantizationType.F16:
+        return w.astype(np.float16).astype(np.float32)
+    return quants.dequantize(quants.quantize(w, qtype), qtype).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, config: dict, weights: dict[str, np.ndarray],
+                    qtype: GGMLQuantizationType, arch: str = "llama") -> None:
+    """Write HF-named fp32 numpy weights as a llama.cpp-style GGUF file."""
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    w.add_vocab_size(config["vocab_size"])
+    for name, arr in weights.items():
+        arr = np.asarray(arr, dtype=np.float32)
+        if name.endswith("q_proj.weight"):
+            arr = llama_cpp_permute(arr, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            arr = llama_cpp_permute(arr, config["num_key_value_heads"])
+        if arr.ndim == 2 and qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(gguf_name(name), quants.quantize(arr, qtype), raw_dtype=qtype)
+        elif arr.ndim == 2 and qtype == GGMLQuantizationType.F16:
+            w.add_tensor(gguf_name(name), arr.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name(name), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
