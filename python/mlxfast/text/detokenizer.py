@@ -4,7 +4,9 @@ Each step decodes only a short window of ids with the real tokenizer decoder
 and emits the text that window adds, so the concatenated output equals one
 full ``decode`` of the sequence. Text is held back while the bytes so far end
 in an incomplete UTF-8 character (a byte-level or ``<0xXX>`` token may carry
-part of one). Once text has been emitted, the window is decoded behind a fixed
+part of one). A byte-fallback decoder turns every byte of a run of ``<0xXX>``
+tokens into U+FFFD when the run as a whole is not valid UTF-8, so such runs are
+held until a token of another kind ends them. Once text has been emitted, the window is decoded behind a fixed
 anchor token, so decoders that strip a leading space at the start of the
 output (SentencePiece) strip it only at the real start.
 """
@@ -54,6 +56,7 @@ class IncrementalDetokenizer:
         self._context_text = ""
         self._started = False  # has any text been emitted for this sequence
         self._tail = b""  # last bytes of the token stream, for UTF-8 completeness
+        self._in_byte_run = False
 
     def _decode(self, ids: list[int]) -> str:
         if not self._started or self._anchor is None:
@@ -66,7 +69,8 @@ class IncrementalDetokenizer:
         self._window.append(token_id)
         if not (self._skip and self._tok.is_special(token_id)):
             self._tail = (self._tail + self._tok.token_bytes(token_id))[-3:]
-        if _incomplete_utf8_tail(self._tail):
+            self._in_byte_run = self._tok.is_byte_fallback(token_id)
+        if self._in_byte_run or _incomplete_utf8_tail(self._tail):
             return ""
         text = self._decode(self._window)
         pending = len(self._window) - self._n_context
@@ -97,4 +101,5 @@ class IncrementalDetokenizer:
             return ""
         delta = self._emit(self._decode(self._window))
         self._tail = b""
+        self._in_byte_run = False
         return delta

@@ -192,6 +192,10 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return int(token_id) in self._special_ids
 
+    def is_byte_fallback(self, token_id: int) -> bool:
+        """True for SentencePiece ``<0xXX>`` byte tokens under a byte-fallback decoder."""
+        return self._kind == "spm" and _byte_piece(self.id_to_token(token_id)) is not None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes ``token_id`` stands for (special tokens: their text)."""
         token_id = int(token_id)
@@ -290,12 +294,8 @@ class Tokenizer:
             except KeyError:
                 return tok.encode("utf-8")
         if self._kind == "spm":
-            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-                try:
-                    return bytes([int(tok[3:5], 16)])
-                except ValueError:
-                    pass
-            return tok.replace("▁", " ").encode("utf-8")
+            b = _byte_piece(tok)
+            return bytes([b]) if b is not None else tok.replace("▁", " ").encode("utf-8")
         return tok.encode("utf-8")
 
     def _find_anchor(self) -> tuple[int | None, str]:
@@ -306,6 +306,16 @@ class Tokenizer:
             if i is not None and self._hf.decode([i], skip_special_tokens=False) == ch:
                 return i, ch
         return None, ""
+
+
+def _byte_piece(token: str) -> int | None:
+    """The byte a SentencePiece ``<0xXX>`` piece stands for, else None."""
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        try:
+            return int(token[3:5], 16)
+        except ValueError:
+            return None
+    return None
 
 
 def _read_json(path: Path) -> dict:
