@@ -181,7 +181,8 @@ class Tokenizer:
         return self._hf.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
-        tok = self._hf.id_to_token(int(token_id))
+        token_id = int(token_id)
+        tok = self._hf.id_to_token(token_id) if token_id >= 0 else None
         if tok is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary")
         return tok
