@@ -1,4 +1,335 @@
+// AVX2 + FMA + F16C quantized matmul, bits 4 and 8 (others: portable).
+// Same structure as qmm_avx512.cpp with 8-lane vectors and 16 registers:
+// GEMV with pre-permuted activations (4 bits: per 16 values, evens then
+// odds) and up to 4 activation rows per register block; GEMM with a 6x16
+// micro-kernel over [K][16] dequantized weight panels.
+#include <immintrin.h>
+
 #include "cpu/qmm.h"
-namespace mlxfast { namespace qmm {
-void run_avx2(const Args& a) { run_portable(a); }
-}}
+
+namespace mlxfast {
+namespace qmm {
+
+namespace {
+
+thread_local Scratch tl_x;
+thread_local Scratch tl_w;
+thread_local Scratch tl_t;
+
+inline void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
+  int64_t i = 0;
+  if (dt == F32) {
+    std::memcpy(dst, static_cast<const float*>(src) + off, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(src) + off;
+  if (dt == F16) {
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(p + i))));
+    }
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+  }
+  for (; i < n; ++i) dst[i] = load_f32(src, dt, off + i);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 values from value k0 of a packed row, as 4 fp32 vectors.
+// BITS 4: v0 = k0+0,2,..,14  v1 = k0+1,3,..,15  v2 = k0+16,..,30  v3 = k0+17,..,31
+// BITS 8: v0..v3 = k0+0..7, 8..15, 16..23, 24..31.
+template <int BITS>
+inline void unpack32(const uint8_t* row, int64_t k0, __m256 v[4]) {
+  if (BITS == 4) {
+    const __m256i m4 = _mm256_set1_epi32(0xf);
+    const uint8_t* p = row + (k0 >> 1);
+    __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(q0, m4));
+    v[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4));
+    v[2] = _mm256_cvtepi32_ps(_mm256_and_si256(q1, m4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4));
+  } else {
+    const uint8_t* p = row + k0;
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- GEMV ----
+
+constexpr int kGemvRowBlock = 16;
+constexpr int kGemvMaxMM = 4;
+
+struct GemvCtx {
+  const Args* a;
+  const float* xp;
+  const float* xs;
+  int64_t G, row_bytes;
+};
+
+template <int BITS, int MM, int R>
+inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
+                      const float* bi) {
+  const Args& a = *c.a;
+  const int64_t K = a.K, G = c.G, gs = a.group_size;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(a.w) + n * c.row_bytes;
+  const float* xp = c.xp + m0 * K;
+  __m256 acc[R][MM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 ga[R][MM];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) ga[r][m] = _mm256_setzero_ps();
+    for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+      for (int r = 0; r < R; ++r) {
+        __m256 v[4];
+        unpack32<BITS>(w0 + r * c.row_bytes, k0, v);
+        for (int m = 0; m < MM; ++m) {
+          const float* x = xp + m * K + k0;
+          for (int i = 0; i < 4; ++i) {
+            ga[r][m] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(x + 8 * i), ga[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 s = _mm256_set1_ps(sc[r * G + g]);
+      for (int m = 0; m < MM; ++m) acc[r][m] = _mm256_fmadd_ps(ga[r][m], s, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < MM; ++m) {
+      const float* xs = c.xs + (m0 + m) * G;
+      const float* b = bi + r * G;
+      __m256 bacc = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= G; g += 8) {
+        bacc = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xs + g), bacc);
+      }
+      float y = hsum(acc[r][m]) + hsum(bacc);
+      for (; g < G; ++g) y += b[g] * xs[g];
+      store_f32(a.out, a.x_dtype, (m0 + m) * a.N + n + r, y);
+    }
+  }
+}
+
+template <int BITS, int MM>
+void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
+               const float* bi) {
+  constexpr int R = MM == 1 ? 4 : (MM == 2 ? 2 : 1);
+  const int64_t G = c.G;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G);
+  }
+  for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G);
+}
+
+template <int BITS>
+void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
+                   const float* sc, const float* bi) {
+  switch (mm) {
+    case 1: gemv_rows<BITS, 1>(c, m0, n0, n1, sc, bi); break;
+    case 2: gemv_rows<BITS, 2>(c, m0, n0, n1, sc, bi); break;
+    case 3: gemv_rows<BITS, 3>(c, m0, n0, n1, sc, bi); break;
+    default: gemv_rows<BITS, 4>(c, m0, n0, n1, sc, bi); break;
+  }
+}
+
+void gemv(const Args& a) {
+  const int64_t M = a.M, K = a.K, G = K / a.group_size;
+  float* xp = tl_x.get(static_cast<size_t>(M * K + M * G + K));
+  float* xs = xp + M * K;
+  float* tmp = xs + M * G;
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = xp + m * K;
+    cvt_row(a.x, a.x_dtype, m * K, K, tmp);
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += 8) {
+        s = _mm256_add_ps(s, _mm256_loadu_ps(tmp + k));
+      }
+      xs[m * G + g] = hsum(s);
+    }
+    if (a.bits == 4) {
+      for (int64_t k = 0; k < K; k += 16) {
+        for (int j = 0; j < 8; ++j) {
+          row[k + j] = tmp[k + 2 * j];
+          row[k + 8 + j] = tmp[k + 2 * j + 1];
+        }
+      }
+    } else {
+      std::memcpy(row, tmp, sizeof(float) * K);
+    }
+  }
+  GemvCtx c{&a, xp, xs, G, K * a.bits / 8};
+  const int64_t units = ceil_div(a.N, kGemvRowBlock);
+  auto body = [&c, &a, G, M](int64_t u0, int64_t u1) {
+    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G));
+    for (int64_t u = u0; u < u1; ++u) {
+      int64_t n0 = u * kGemvRowBlock;
+      int64_t n1 = n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N;
+      float* sc = sb;
+      float* bi = sb + kGemvRowBlock * G;
+      cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
+      cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+        int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
+        if (a.bits == 4) {
+          gemv_dispatch<4>(c, m0, mm, n0, n1, sc, bi);
+        } else {
+          gemv_dispatch<8>(c, m0, mm, n0, n1, sc, bi);
+        }
+      }
+    }
+  };
+  par(units, 1, body);
+}
+
+// ---------------------------------------------------------------- GEMM ----
+
+constexpr int kMR = 6;
+constexpr int kNR = 16;
+
+template <int BITS>
+void dequant_panel(const Args& a, int64_t n0, float* bp) {
+  const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
+  const int64_t row_bytes = K * BITS / 8;
+  const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
+  if (ncols < kNR) std::memset(bp, 0, sizeof(float) * K * kNR);
+  alignas(32) float t[32];
+  for (int64_t j = 0; j < ncols; ++j) {
+    const int64_t n = n0 + j;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 s = _mm256_set1_ps(load_f32(a.scales, a.s_dtype, n * G + g));
+      __m256 b = _mm256_set1_ps(load_f32(a.biases, a.s_dtype, n * G + g));
+      for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+        __m256 v[4];
+        unpack32<BITS>(row, k0, v);
+        for (int i = 0; i < 4; ++i) _mm256_store_ps(t + 8 * i, _mm256_fmadd_ps(v[i], s, b));
+        float* base = bp + k0 * kNR + j;
+        if (BITS == 4) {
+          for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 8; ++i) {
+              base[(16 * h + 2 * i) * kNR] = t[16 * h + i];
+              base[(16 * h + 2 * i + 1) * kNR] = t[16 * h + 8 + i];
+            }
+          }
+        } else {
+          for (int i = 0; i < 32; ++i) base[i * kNR] = t[i];
+        }
+      }
+    }
+  }
+}
+
+void pack_a(const Args& a, int64_t p, float* ap, float* tmp) {
+  const int64_t K = a.K;
+  for (int r = 0; r < kMR; ++r) {
+    int64_t m = p * kMR + r;
+    if (m < a.M) {
+      cvt_row(a.x, a.x_dtype, m * K, K, tmp);
+      for (int64_t k = 0; k < K; ++k) ap[k * kMR + r] = tmp[k];
+    } else {
+      for (int64_t k = 0; k < K; ++k) ap[k * kMR + r] = 0.0f;
+    }
+  }
+}
+
+void micro_6x16(const float* ap, const float* bp, int64_t K, const Args& a, int64_t m0,
+                int64_t n0, int mr, int64_t nc) {
+  __m256 c0[kMR], c1[kMR];
+#pragma GCC unroll 6
+  for (int r = 0; r < kMR; ++r) {
+    c0[r] = _mm256_setzero_ps();
+    c1[r] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b0 = _mm256_loadu_ps(bp);
+    __m256 b1 = _mm256_loadu_ps(bp + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < kMR; ++r) {
+      __m256 x = _mm256_broadcast_ss(ap + r);
+      c0[r] = _mm256_fmadd_ps(x, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(x, b1, c1[r]);
+    }
+    ap += kMR;
+    bp += kNR;
+  }
+  const int64_t N = a.N;
+  if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
+    float* out = static_cast<float*>(a.out) + m0 * N + n0;
+#pragma GCC unroll 6
+    for (int r = 0; r < kMR; ++r) {
+      _mm256_storeu_ps(out + r * N, c0[r]);
+      _mm256_storeu_ps(out + r * N + 8, c1[r]);
+    }
+    return;
+  }
+  alignas(32) float t[kNR];
+  for (int r = 0; r < mr; ++r) {
+    _mm256_store_ps(t, c0[r]);
+    _mm256_store_ps(t + 8, c1[r]);
+    for (int64_t j = 0; j < nc; ++j) store_f32(a.out, a.x_dtype, (m0 + r) * N + n0 + j, t[j]);
+  }
+}
+
+void gemm(const Args& a) {
+  const int64_t M = a.M, N = a.N, K = a.K;
+  const int64_t P = ceil_div(M, kMR);
+  float* ap = tl_x.get(static_cast<size_t>(P * K * kMR));
+  const Args* pa = &a;
+  auto pack = [pa, ap, K](int64_t p0, int64_t p1) {
+    float* tmp = tl_t.get(static_cast<size_t>(K));
+    for (int64_t p = p0; p < p1; ++p) pack_a(*pa, p, ap + p * K * kMR, tmp);
+  };
+  par(P, 8, pack);
+  const int64_t NB = ceil_div(N, kNR);
+  auto body = [pa, ap, K, M, N, P](int64_t b0, int64_t b1) {
+    const Args& a = *pa;
+    float* bp = tl_w.get(static_cast<size_t>(K * kNR));
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      int64_t n0 = nb * kNR;
+      if (a.bits == 4) {
+        dequant_panel<4>(a, n0, bp);
+      } else {
+        dequant_panel<8>(a, n0, bp);
+      }
+      int64_t nc = N - n0 < kNR ? N - n0 : kNR;
+      for (int64_t p = 0; p < P; ++p) {
+        int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
+        micro_6x16(ap + p * K * kMR, bp, K, a, p * kMR, n0, mr, nc);
+      }
+    }
+  };
+  par(NB, 1, body);
+}
+
+} // namespace
+
+void run_avx2(const Args& a) {
+  if (a.bits != 4 && a.bits != 8) {
+    run_portable(a);
+  } else if (a.M <= kGemvMaxRows) {
+    gemv(a);
+  } else {
+    gemm(a);
+  }
+}
+
+} // namespace qmm
+} // namespace mlxfast

@@ -1,4 +1,374 @@
+// AVX-512 (F/BW/VL/DQ) quantized matmul, bits 4 and 8 (others: portable).
+//
+// GEMV (M <= kGemvMaxRows): each thread streams its share of weight rows
+// once. Activations are pre-permuted so that a 4-bit chunk of 32 values
+// unpacks with one zero-extend + shift into "even" and "odd" lanes; the
+// nibble -> float conversion is a 16-entry vpermps lookup. Per group:
+//   y += scale * dot(q, x_g)   and once per row   y += dot(bias, sum(x_g)).
+// Up to 8 activation rows share each unpacked weight chunk; 1-4 weight rows
+// are processed together for independent FMA chains.
+//
+// GEMM (M > kGemvMaxRows): activations packed once to fp32 panels of 12 rows
+// ([K][12]); each thread dequantizes a 32-column weight panel ([K][32] fp32,
+// L2-resident) and runs a 12x32 register-blocked FMA micro-kernel (24 zmm
+// accumulators, activations broadcast from memory) over all row panels.
+#include <immintrin.h>
+
 #include "cpu/qmm.h"
-namespace mlxfast { namespace qmm {
-void run_avx512(const Args& a) { run_portable(a); }
-}}
+
+namespace mlxfast {
+namespace qmm {
+
+namespace {
+
+thread_local Scratch tl_x;  // calling thread: prepared activations
+thread_local Scratch tl_w;  // every thread: scales/biases, weight panel
+thread_local Scratch tl_t;  // every thread: small row temporaries
+
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff)
+                 : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+inline __m512 load_cvt(const void* p, DType dt, int64_t i, __mmask16 m) {
+  switch (dt) {
+    case F32: return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
+    case F16:
+      return _mm512_cvtph_ps(
+          _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i));
+    default:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(
+              _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i)),
+          16));
+  }
+}
+
+inline void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(dst + i, m, load_cvt(src, dt, off + i, m));
+  }
+}
+
+inline __m256i f32_to_bf16_vec(__m512 v) {  // round to nearest even, quiet NaN
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16),
+                                                    _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline void store_cvt(void* p, DType dt, int64_t i, __m512 v, __mmask16 m) {
+  switch (dt) {
+    case F32: _mm512_mask_storeu_ps(static_cast<float*>(p) + i, m, v); break;
+    case F16:
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, m,
+                               _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT |
+                                                      _MM_FROUND_NO_EXC));
+      break;
+    default:
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, m, f32_to_bf16_vec(v));
+      break;
+  }
+}
+
+inline __m512 lut16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// 32 consecutive quantized values starting at value k0 of a packed row, as
+// two fp32 vectors. BITS 4: lo = values k0+0,2,..,30, hi = k0+1,3,..,31.
+// BITS 8: lo = k0+0..15, hi = k0+16..31.
+template <int BITS>
+inline void unpack32(const uint8_t* row, int64_t k0, __m512 lut, __m512& lo, __m512& hi) {
+  if (BITS == 4) {
+    __m512i q = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k0 >> 1))));
+    lo = _mm512_permutexvar_ps(q, lut);  // vpermps reads only index bits 3:0
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+  } else {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 + 16))));
+  }
+}
+
+// ---------------------------------------------------------------- GEMV ----
+
+constexpr int kGemvRowBlock = 16;  // weight rows per task unit (L1-resident)
+constexpr int kGemvMaxMM = 8;      // activation rows per register block
+
+struct GemvCtx {
+  const Args* a;
+  const float* xp;  // [M][K] fp32, permuted per 32-chunk for 4 bits
+  const float* xs;  // [M][G] group sums of x
+  int64_t G, row_bytes;
+};
+
+// y[m][n + r] for r < R, m < MM; rows of x from m0.
+template <int BITS, int MM, int R>
+inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
+                      const float* bi) {
+  const Args& a = *c.a;
+  const int64_t K = a.K, G = c.G, gs = a.group_size;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(a.w) + n * c.row_bytes;
+  const float* xp = c.xp + m0 * K;
+  const __m512 lut = lut16();
+  __m512 acc[R][MM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 ga[R][MM];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) ga[r][m] = _mm512_setzero_ps();
+    for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+      for (int r = 0; r < R; ++r) {
+        __m512 lo, hi;
+        unpack32<BITS>(w0 + r * c.row_bytes, k0, lut, lo, hi);
+        for (int m = 0; m < MM; ++m) {
+          ga[r][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + m * K + k0), ga[r][m]);
+          ga[r][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + m * K + k0 + 16), ga[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 s = _mm512_set1_ps(sc[r * G + g]);
+      for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_fmadd_ps(ga[r][m], s, acc[r][m]);
+    }
+  }
+  // Bias term: dot(bias row, group sums of x), 16 groups at a time.
+  for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < MM; ++m) {
+      __m512 bacc = _mm512_setzero_ps();
+      const float* xs = c.xs + (m0 + m) * G;
+      for (int64_t g = 0; g < G; g += 16) {
+        __mmask16 mk = tail_mask(G - g);
+        bacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, bi + r * G + g),
+                               _mm512_maskz_loadu_ps(mk, xs + g), bacc);
+      }
+      float y = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(bacc);
+      store_f32(a.out, a.x_dtype, (m0 + m) * a.N + n + r, y);
+    }
+  }
+}
+
+template <int BITS, int MM>
+void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
+               const float* bi) {
+  constexpr int R = MM <= 2 ? 4 : (MM <= 4 ? 2 : 1);
+  const int64_t G = c.G;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G);
+  }
+  for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G);
+}
+
+template <int BITS>
+void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
+                   const float* sc, const float* bi) {
+  switch (mm) {
+    case 1: gemv_rows<BITS, 1>(c, m0, n0, n1, sc, bi); break;
+    case 2: gemv_rows<BITS, 2>(c, m0, n0, n1, sc, bi); break;
+    case 3: gemv_rows<BITS, 3>(c, m0, n0, n1, sc, bi); break;
+    case 4: gemv_rows<BITS, 4>(c, m0, n0, n1, sc, bi); break;
+    case 5: gemv_rows<BITS, 5>(c, m0, n0, n1, sc, bi); break;
+    case 6: gemv_rows<BITS, 6>(c, m0, n0, n1, sc, bi); break;
+    case 7: gemv_rows<BITS, 7>(c, m0, n0, n1, sc, bi); break;
+    default: gemv_rows<BITS, 8>(c, m0, n0, n1, sc, bi); break;
+  }
+}
+
+void gemv(const Args& a) {
+  const int64_t M = a.M, K = a.K, G = K / a.group_size;
+  // Prepare activations: fp32, permuted for 4 bits, plus per-group sums.
+  float* xp = tl_x.get(static_cast<size_t>(M * K + M * G));
+  float* xs = xp + M * K;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                         24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = xp + m * K;
+    cvt_row(a.x, a.x_dtype, m * K, K, row);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += 16) {
+        s = _mm512_add_ps(s, _mm512_loadu_ps(row + k));
+      }
+      xs[m * G + g] = _mm512_reduce_add_ps(s);
+    }
+    if (a.bits == 4) {
+      for (int64_t k = 0; k < K; k += 32) {
+        __m512 v0 = _mm512_loadu_ps(row + k), v1 = _mm512_loadu_ps(row + k + 16);
+        _mm512_storeu_ps(row + k, _mm512_permutex2var_ps(v0, even, v1));
+        _mm512_storeu_ps(row + k + 16, _mm512_permutex2var_ps(v0, odd, v1));
+      }
+    }
+  }
+  GemvCtx c{&a, xp, xs, G, K * a.bits / 8};
+  const int64_t units = ceil_div(a.N, kGemvRowBlock);
+  auto body = [&c, &a, G, M](int64_t u0, int64_t u1) {
+    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G));
+    for (int64_t u = u0; u < u1; ++u) {
+      int64_t n0 = u * kGemvRowBlock;
+      int64_t n1 = n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N;
+      float* sc = sb;
+      float* bi = sb + kGemvRowBlock * G;
+      cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
+      cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+        int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
+        if (a.bits == 4) {
+          gemv_dispatch<4>(c, m0, mm, n0, n1, sc, bi);
+        } else {
+          gemv_dispatch<8>(c, m0, mm, n0, n1, sc, bi);
+        }
+      }
+    }
+  };
+  par(units, 1, body);
+}
+
+// ---------------------------------------------------------------- GEMM ----
+
+constexpr int kMR = 12;
+constexpr int kNR = 32;
+
+// Dequantize weight rows n0..n0+31 into bp[K][32] (fp32; rows >= N are 0).
+template <int BITS>
+void dequant_panel(const Args& a, int64_t n0, float* bp) {
+  const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
+  const int64_t row_bytes = K * BITS / 8;
+  const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
+  if (ncols < kNR) std::memset(bp, 0, sizeof(float) * K * kNR);
+  const __m512 lut = lut16();
+  // Scatter offsets (in floats) of the 16 lanes of lo / hi within a chunk.
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                         14, 15);
+  __m512i idx_lo, idx_hi;
+  if (BITS == 4) {
+    idx_lo = _mm512_mullo_epi32(lane, _mm512_set1_epi32(2 * kNR));
+    idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(kNR));
+  } else {
+    idx_lo = _mm512_mullo_epi32(lane, _mm512_set1_epi32(kNR));
+    idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(16 * kNR));
+  }
+  for (int64_t j = 0; j < ncols; ++j) {
+    const int64_t n = n0 + j;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 s = _mm512_set1_ps(load_f32(a.scales, a.s_dtype, n * G + g));
+      __m512 b = _mm512_set1_ps(load_f32(a.biases, a.s_dtype, n * G + g));
+      for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+        __m512 lo, hi;
+        unpack32<BITS>(row, k0, lut, lo, hi);
+        float* base = bp + k0 * kNR + j;
+        _mm512_i32scatter_ps(base, idx_lo, _mm512_fmadd_ps(lo, s, b), 4);
+        _mm512_i32scatter_ps(base, idx_hi, _mm512_fmadd_ps(hi, s, b), 4);
+      }
+    }
+  }
+}
+
+// Pack rows p*12 .. p*12+11 of x as ap[K][12] fp32 (missing rows are 0).
+void pack_a(const Args& a, int64_t p, float* ap, float* tmp) {
+  const int64_t K = a.K;
+  for (int r = 0; r < kMR; ++r) {
+    int64_t m = p * kMR + r;
+    if (m < a.M) {
+      cvt_row(a.x, a.x_dtype, m * K, K, tmp);
+      for (int64_t k = 0; k < K; ++k) ap[k * kMR + r] = tmp[k];
+    } else {
+      for (int64_t k = 0; k < K; ++k) ap[k * kMR + r] = 0.0f;
+    }
+  }
+}
+
+// C[12][32] = ap[K][12]^T . bp[K][32]; writes rows < mr, columns < nc.
+void micro_12x32(const float* ap, const float* bp, int64_t K, const Args& a, int64_t m0,
+                 int64_t n0, int mr, int64_t nc) {
+  __m512 c0[kMR], c1[kMR];
+#pragma GCC unroll 12
+  for (int r = 0; r < kMR; ++r) {
+    c0[r] = _mm512_setzero_ps();
+    c1[r] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b0 = _mm512_loadu_ps(bp);
+    __m512 b1 = _mm512_loadu_ps(bp + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < kMR; ++r) {
+      __m512 x = _mm512_set1_ps(ap[r]);
+      c0[r] = _mm512_fmadd_ps(x, b0, c0[r]);
+      c1[r] = _mm512_fmadd_ps(x, b1, c1[r]);
+    }
+    ap += kMR;
+    bp += kNR;
+  }
+  const int64_t N = a.N;
+  if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
+    float* out = static_cast<float*>(a.out) + m0 * N + n0;
+#pragma GCC unroll 12
+    for (int r = 0; r < kMR; ++r) {
+      _mm512_storeu_ps(out + r * N, c0[r]);
+      _mm512_storeu_ps(out + r * N + 16, c1[r]);
+    }
+    return;
+  }
+  __mmask16 k0 = tail_mask(nc), k1 = tail_mask(nc > 16 ? nc - 16 : 0);
+  for (int r = 0; r < mr; ++r) {
+    store_cvt(a.out, a.x_dtype, (m0 + r) * N + n0, c0[r], k0);
+    store_cvt(a.out, a.x_dtype, (m0 + r) * N + n0 + 16, c1[r], k1);
+  }
+}
+
+void gemm(const Args& a) {
+  const int64_t M = a.M, N = a.N, K = a.K;
+  const int64_t P = ceil_div(M, kMR);
+  float* ap = tl_x.get(static_cast<size_t>(P * K * kMR));
+  const Args* pa = &a;
+  auto pack = [pa, ap, K](int64_t p0, int64_t p1) {
+    float* tmp = tl_t.get(static_cast<size_t>(K));
+    for (int64_t p = p0; p < p1; ++p) pack_a(*pa, p, ap + p * K * kMR, tmp);
+  };
+  par(P, 4, pack);
+  const int64_t NB = ceil_div(N, kNR);
+  auto body = [pa, ap, K, M, N, P](int64_t b0, int64_t b1) {
+    const Args& a = *pa;
+    float* bp = tl_w.get(static_cast<size_t>(K * kNR));
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      int64_t n0 = nb * kNR;
+      if (a.bits == 4) {
+        dequant_panel<4>(a, n0, bp);
+      } else {
+        dequant_panel<8>(a, n0, bp);
+      }
+      int64_t nc = N - n0 < kNR ? N - n0 : kNR;
+      for (int64_t p = 0; p < P; ++p) {
+        int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
+        micro_12x32(ap + p * K * kMR, bp, K, a, p * kMR, n0, mr, nc);
+      }
+    }
+  };
+  par(NB, 1, body);
+}
+
+} // namespace
+
+void run_avx512(const Args& a) {
+  if (a.bits != 4 && a.bits != 8) {
+    run_portable(a);
+  } else if (a.M <= kGemvMaxRows) {
+    gemv(a);
+  } else {
+    gemm(a);
+  }
+}
+
+} // namespace qmm
+} // namespace mlxfast
