@@ -148,3 +148,86 @@ def dequantize_rows(
     return mx.dequantize(
         w[ids], scales[ids], biases[ids], group_size=group_size, bits=bits
     )
+
+
+# --- paged attention (engine KV) -------------------------------------------
+
+
+def has_native_paged_attention(stream=None) -> bool:
+    """Whether ``paged_attention`` runs a native kernel on this stream/device."""
+    return _on_cpu(stream) and hasattr(_ext, "paged_attention")
+
+
+def paged_gather_reference(pool: mx.array, block_tables: mx.array, block_size: int) -> mx.array:
+    """Pure-MLX gather of whole blocks: pool [num_blocks*bs, Hkv, D], block_tables
+    [S, B] int32 -> [S, B*bs, Hkv, D] (each sequence's KV, contiguous)."""
+    nb = pool.shape[0] // block_size
+    blocks = pool.reshape(nb, block_size, *pool.shape[1:])[block_tables]
+    S, B = block_tables.shape
+    return blocks.reshape(S, B * block_size, *pool.shape[1:])
+
+
+def paged_gather(pool: mx.array, block_tables: mx.array, block_size: int, *, stream=None) -> mx.array:
+    """Each sequence's K or V as one contiguous array: pool [num_blocks*bs, Hkv, D]
+    (any float dtype), block_tables [S, B] int32 -> [S, B*bs, Hkv, D]."""
+    if _on_cpu(stream) and hasattr(_ext, "paged_gather"):
+        return _ext.paged_gather(pool, block_tables, block_size, stream=stream)
+    return paged_gather_reference(pool, block_tables, block_size)
+
+
+def paged_attention_reference(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    seq_idx: mx.array,
+    positions: mx.array,
+    *,
+    scale: float,
+    block_size: int,
+) -> mx.array:
+    """Pure-MLX paged attention (the native kernel's oracle; memory ~T x context).
+
+    q [T, Hq, D]; k_pool/v_pool [num_blocks*block_size, Hkv, D] (Hq % Hkv == 0,
+    any float dtype); block_tables [S, B] int32 (block ids per sequence);
+    seq_idx [T] int32 (the sequence of each query); positions [T] int32 (each
+    query's position: it attends keys 0..position of its sequence).
+    Returns [T, Hq, D] in q's dtype. Softmax in float32.
+    """
+    T, Hq, D = q.shape
+    Hkv = k_pool.shape[1]
+    kg = paged_gather_reference(k_pool, block_tables, block_size)[seq_idx]  # [T, L, Hkv, D]
+    vg = paged_gather_reference(v_pool, block_tables, block_size)[seq_idx]
+    L = kg.shape[1]
+    qf = q.astype(mx.float32).reshape(T, Hkv, Hq // Hkv, D)
+    s = mx.einsum("tkgd,tlkd->tkgl", qf, kg.astype(mx.float32)) * scale
+    allowed = mx.arange(L)[None, :] <= positions[:, None]  # [T, L]
+    s = mx.where(allowed[:, None, None, :], s, -mx.inf)
+    p = mx.softmax(s, axis=-1)
+    out = mx.einsum("tkgl,tlkd->tkgd", p, vg.astype(mx.float32))
+    return out.reshape(T, Hq, -1).astype(q.dtype)
+
+
+def paged_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    seq_idx: mx.array,
+    positions: mx.array,
+    *,
+    scale: float,
+    block_size: int,
+    stream=None,
+) -> mx.array:
+    """Attention of each query token over its own sequence's paged KV.
+
+    Same arguments and result as ``paged_attention_reference``: one primitive
+    on the CPU (online softmax, float32 accumulation, GQA, parallel over
+    (token, kv head)); the reference elsewhere.
+    """
+    if has_native_paged_attention(stream):
+        return _ext.paged_attention(q, k_pool, v_pool, block_tables, seq_idx, positions,
+                                    scale, block_size, stream=stream)
+    return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_idx, positions,
+                                     scale=scale, block_size=block_size)

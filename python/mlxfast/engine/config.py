@@ -1,0 +1,23 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    # Batching
+    max_num_seqs: int = 8  # running sequences per step (vLLM --max-num-seqs)
+    max_num_batched_tokens: int = 512  # per-step token budget = prefill chunk size
+    max_waiting: int = 256  # queued requests beyond which submit raises EngineOverloaded
+    # KV pool
+    block_size: int = 16  # tokens per KV block (see docs/engine notes in kv/block_pool.py)
+    num_blocks: int | None = None  # overrides kv_cache_gb when set
+    kv_cache_gb: float = 1.0  # pool size (K + V, all layers)
+    kv_dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = model dtype
+    max_model_len: int | None = None  # None: model max_position_embeddings, capped by the pool
+    enable_prefix_cache: bool = True
+    model_fingerprint: str = ""  # prefix-cache namespace; "" = derived from the model config
+    # Attention path: None = native kernel where available, else MLX reference
+    native_attention: bool | None = None

@@ -1,0 +1,382 @@
+"""The engine: one thread that owns every MLX call and runs continuous batching.
+
+Each step: ``scheduler.schedule()`` -> ``runner.run(plan)`` (one model call)
+-> ``sampler.sample`` (one ``mx.eval``) -> ``scheduler.update`` -> per-request
+output processing -> events to the asyncio loop of each request via
+``loop.call_soon_threadsafe``. With nothing to do the thread waits on a
+condition variable.
+
+Failures: an exception that belongs to one request (its grammar, its
+detokenizer) ends that request with ``finish_reason="error"``; anything else
+kills the engine: ``alive`` turns False, ``error`` says why, every queued and
+running request gets an error FinishEvent and ``submit`` raises EngineDead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import threading
+import time
+import traceback
+from collections import deque
+
+from ..kv.block_pool import BlockAllocator, KVPool, kv_dtype
+from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent
+from .config import EngineConfig
+from .output import OutputProcessor
+from .runner import Runner
+from .sampler import SamplingState, sample
+from .scheduler import Scheduler, Seq
+
+# Histogram buckets (seconds), in the style of vLLM's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # last = +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def snapshot(self) -> dict:
+        """Prometheus-style cumulative buckets: ``[(le, count), ...]`` ending with +Inf."""
+        cum, out = 0, []
+        for le, c in zip(self.buckets + (float("inf"),), self.counts):
+            cum += c
+            out.append((le, cum))
+        return {"buckets": out, "sum": self.sum, "count": self.count}
+
+
+class RequestStream:
+    """Async iterator of one request's events: TokenEvent* then one FinishEvent."""
+
+    def __init__(self, engine: "Engine", request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._done:
+            raise StopAsyncIteration
+        ev = await self._queue.get()
+        if isinstance(ev, FinishEvent):
+            self._done = True
+        return ev
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the request if it has not finished."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    def _deliver(self, events: list) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._put_all, events)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            self._engine.abort(self.request_id)
+
+    def _put_all(self, events: list) -> None:
+        for ev in events:
+            self._queue.put_nowait(ev)
+
+
+class _ReqState:
+    __slots__ = ("request", "stream", "sampling", "out", "t_submit", "t_last", "events")
+
+    def __init__(self, request, stream):
+        self.request = request
+        self.stream = stream
+        self.sampling = None
+        self.out = None
+        self.t_submit = time.monotonic()
+        self.t_last = None
+        self.events = []
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = cfg = config or EngineConfig()
+        args = model.args
+        self.kv_dtype = kv_dtype(cfg.kv_dtype) if cfg.kv_dtype else model.dtype
+        self.block_size = bs = cfg.block_size
+        per_block = KVPool.bytes_per_block(args.num_hidden_layers, bs, args.num_key_value_heads,
+                                           args.head_dim, self.kv_dtype)
+        self.num_blocks = cfg.num_blocks or max(2, int(cfg.kv_cache_gb * (1 << 30)) // per_block)
+        limit = cfg.max_model_len or getattr(args, "max_position_embeddings", None) or 4096
+        self.max_model_len = min(limit, self.num_blocks * bs)
+        fingerprint = cfg.model_fingerprint or hashlib.blake2b(
+            repr(args).encode(), digest_size=8).hexdigest()
+        self._namespace = f"{fingerprint}|dense-{self.kv_dtype}|bs{bs}"
+        self.allocator = BlockAllocator(self.num_blocks, bs, cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        eos = getattr(tokenizer, "eos_token_ids", None) or set()
+        self._eos = frozenset(int(t) for t in eos)
+        self.pool: KVPool | None = None
+        self.runner: Runner | None = None
+
+        self._cond = threading.Condition()
+        self._incoming: deque = deque()
+        self._aborts: deque = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._states: dict[str, _ReqState] = {}
+        self.alive = False
+        self.error: str | None = None
+
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_total = 0
+        self.num_steps = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self, timeout: float | None = 600.0) -> "Engine":
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(target=self._main, name="mlxfast-engine", daemon=True)
+        self.alive = True
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self.error:
+            raise EngineDead(self.error)
+        return self
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort everything in flight (each gets FinishEvent "abort") and join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.alive = False
+
+    # -- public API (any thread) ---------------------------------------------
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request; call from inside a running asyncio loop."""
+        if not self.alive or self._stopping:
+            raise EngineDead(self.error or "the engine is not running")
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise PromptTooLong("the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt has {n} tokens; the context holds {self.max_model_len} "
+                f"(prompt plus at least one generated token)")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request.request_id, loop)
+        with self._cond:
+            if len(self._incoming) + len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise EngineOverloaded(f"{self.config.max_waiting} requests are already waiting")
+            self._incoming.append((request, stream))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        a = self.allocator
+        return {
+            "alive": self.alive,
+            "error": self.error,
+            "num_requests_running": len(s.running),
+            "num_requests_waiting": len(s.waiting) + len(self._incoming),
+            "num_requests_total": self.num_requests_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "prefix_cache_queries_total": s.prefix_queries,
+            "prefix_cache_hits_total": s.prefix_hits,
+            "kv_cache_usage_perc": a.usage,
+            "num_preemptions_total": s.num_preemptions,
+            "free_blocks": a.num_free,
+            "total_blocks": a.num_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "num_steps": self.num_steps,
+            "time_to_first_token_seconds": self.ttft.snapshot(),
+            "inter_token_latency_seconds": self.itl.snapshot(),
+            "e2e_request_latency_seconds": self.e2e.snapshot(),
+        }
+
+    # -- engine thread -------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.pool = KVPool(self.model.args.num_hidden_layers, self.num_blocks, self.block_size,
+                               self.model.args.num_key_value_heads, self.model.args.head_dim,
+                               self.kv_dtype)
+            self.runner = Runner(self.model, self.pool, native=self.config.native_attention)
+        except BaseException as e:  # noqa: BLE001
+            self._die(e)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while True:
+                with self._cond:
+                    while not (self._incoming or self._aborts or self._stopping
+                               or self.scheduler.has_work()):
+                        self._cond.wait()
+                    incoming = list(self._incoming)
+                    self._incoming.clear()
+                    aborts = list(self._aborts)
+                    self._aborts.clear()
+                    stopping = self._stopping
+                for request, stream in incoming:
+                    self._admit(request, stream)
+                for rid in aborts:
+                    self._abort(rid)
+                if stopping:
+                    for rid in list(self._states):
+                        self._abort(rid)
+                    self._flush()
+                    return
+                if self.scheduler.has_work():
+                    self._step()
+                self._flush()
+        except BaseException as e:  # noqa: BLE001
+            self._die(e)
+
+    def _die(self, e: BaseException) -> None:
+        self.error = f"{type(e).__name__}: {e}"
+        self.alive = False
+        self._last_traceback = traceback.format_exc()
+        with self._cond:
+            self._stopping = True
+            pending = list(self._incoming)
+            self._incoming.clear()
+        for request, stream in pending:
+            stream._deliver([FinishEvent("error", error=f"engine failed: {self.error}")])
+        for rid, st in list(self._states.items()):
+            st.events.append(FinishEvent("error", error=f"engine failed: {self.error}",
+                                         prompt_tokens=len(st.request.prompt_ids)))
+        self._flush()
+        self._states.clear()
+
+    def _flush(self) -> None:
+        for rid, st in list(self._states.items()):
+            if st.events:
+                events, st.events = st.events, []
+                st.stream._deliver(events)
+                if isinstance(events[-1], FinishEvent):
+                    del self._states[rid]
+
+    def _admit(self, request: Request, stream: RequestStream) -> None:
+        st = _ReqState(request, stream)
+        rid = request.request_id
+        if rid in self._states:
+            stream._deliver([FinishEvent("error", error=f"duplicate request id {rid!r}")])
+            return
+        self._states[rid] = st
+        self.num_requests_total += 1
+        p = request.params
+        seq = Seq(rid, list(request.prompt_ids),
+                  max_tokens=min(p.max_tokens, self.max_model_len - len(request.prompt_ids)),
+                  stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos),
+                  namespace=f"{self._namespace}|{request.cache_salt}".encode(), data=st)
+        try:
+            st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
+            st.out = OutputProcessor(self.tokenizer, p.stop)
+        except Exception as e:  # noqa: BLE001  (this request's grammar / params)
+            st.events.append(FinishEvent("error", error=str(e), prompt_tokens=seq.prompt_len))
+            return
+        self.prompt_tokens_total += seq.prompt_len
+        if seq.max_tokens <= 0:
+            st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
+            return
+        self.scheduler.add(seq)
+
+    def _abort(self, rid: str) -> None:
+        st = self._states.get(rid)
+        if st is None or (st.events and isinstance(st.events[-1], FinishEvent)):
+            return
+        seq = self.scheduler.find(rid)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            st.events.append(self._finish_event(seq, "abort"))
+        else:
+            st.events.append(FinishEvent("abort", prompt_tokens=len(st.request.prompt_ids)))
+
+    def _finish_event(self, seq: Seq, reason: str, text: str = "", error: str | None = None,
+                      stop_string: str | None = None) -> FinishEvent:
+        st = seq.data
+        now = time.monotonic()
+        self.e2e.observe(now - st.t_submit)
+        return FinishEvent(reason, text=text, stop_string=stop_string,
+                           stop_token_id=seq.stop_token_id if reason == "stop" else None,
+                           prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output,
+                           cached_tokens=seq.cached_tokens or 0, error=error)
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        plan = sched.schedule()
+        if not plan.rows:
+            raise RuntimeError("scheduler produced an empty step with work pending")
+        logits = self.runner.run(plan)
+        rows = plan.sample_rows
+        results = sample(logits, [r.seq.data.sampling for r in rows]) if rows else []
+        by_seq = {r.seq: res for r, res in zip(rows, results)}
+        updates = sched.update(plan, [res.token for res in results])
+        self.num_steps += 1
+        now = time.monotonic()
+        for u in updates:
+            seq, st = u.seq, u.seq.data
+            res = by_seq[seq]
+            self.generation_tokens_total += 1
+            if st.t_last is None:
+                self.ttft.observe(now - st.t_submit)
+            else:
+                self.itl.observe(now - st.t_last)
+            st.t_last = now
+            try:
+                self._emit(seq, st, u, res)
+            except Exception as e:  # noqa: BLE001  (this request's output processing)
+                sched.finish(seq, "error")
+                st.events.append(self._finish_event(seq, "error", error=f"{type(e).__name__}: {e}"))
+
+    def _emit(self, seq: Seq, st: _ReqState, u, res) -> None:
+        sched = self.scheduler
+        if res.error is not None:
+            sched.finish(seq, "error")
+            st.events.append(self._finish_event(seq, "error", error=res.error))
+            return
+        if u.finish_reason == "stop" and seq.stop_token_id is not None:
+            st.events.append(self._finish_event(seq, "stop", text=st.out.finish()))
+            return
+        text = st.out.add(u.token)
+        st.events.append(TokenEvent(u.token, text, res.logprob, res.top_logprobs))
+        if st.out.stop_string is not None:
+            sched.finish(seq, "stop")
+            st.events.append(self._finish_event(seq, "stop", stop_string=st.out.stop_string))
+        elif u.finish_reason is not None:
+            st.events.append(self._finish_event(seq, u.finish_reason, text=st.out.finish()))
+        elif st.sampling.matcher is not None and st.sampling.matcher.is_stopped():
+            sched.finish(seq, "stop")
+            st.events.append(self._finish_event(seq, "stop", text=st.out.finish()))

@@ -1,0 +1,60 @@
+"""Per-request output processing: incremental detokenization and stop strings.
+
+Text that could still turn into a stop string is held back, so no emitted
+text ever contains a stop string or anything after it, including across token
+boundaries. Stop and EOS tokens are not turned into text.
+"""
+
+from __future__ import annotations
+
+
+class _NullDetok:
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.detok = tokenizer.detokenizer() if tokenizer is not None else _NullDetok()
+        self.stop = [s for s in (stop or []) if s]
+        self.held = ""
+        self.stop_string: str | None = None
+
+    def _release(self, text: str, final: bool) -> str:
+        """Append text; return what can be emitted. Sets ``stop_string`` on a match."""
+        if not self.stop:
+            return text
+        buf = self.held + text
+        best = None
+        for s in self.stop:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.held = ""
+            self.stop_string = best[1]
+            return buf[:best[0]]
+        if final:
+            self.held = ""
+            return buf
+        hold = 0
+        for s in self.stop:  # longest suffix of buf that is a prefix of a stop string
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self.held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold]
+
+    def add(self, token_id: int) -> str:
+        """Text this token made final ("" while held back). Check ``stop_string`` after."""
+        return self._release(self.detok.add(token_id), final=False)
+
+    def finish(self) -> str:
+        """Everything still held at the end (not after a stop string)."""
+        if self.stop_string is not None:
+            return ""
+        return self._release(self.detok.flush(), final=True)

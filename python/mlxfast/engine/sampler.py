@@ -1,0 +1,210 @@
+"""Per-row sampling for a whole step, vectorised over the batch.
+
+Each sampled row carries its request's ``SamplingParams``; the processing
+chain runs as a fixed number of MLX ops over ``[R, V]`` whatever mix of
+settings the rows have (rows that do not use a feature get its neutral value):
+
+1. repetition penalty (HF: over prompt + output; logits > 0 divided, < 0
+   multiplied), presence and frequency penalties (OpenAI: over the output),
+2. ``logit_bias``,
+3. the structured-output mask (llguidance bitmask; banned tokens -> -inf),
+4. greedy rows (``temperature == 0``) take the argmax here; the others divide
+   by temperature, apply top-k, then top-p (on the top-k renormalised
+   distribution), then min-p, and sample by Gumbel-max with noise from a
+   per-row key derived from ``(seed, output index)`` only — so a seeded
+   request samples the same tokens alone or inside any batch.
+
+Logprobs are reported from the model's own distribution: the log-softmax of
+the raw logits, before penalties, bias, masks, temperature and truncation
+(vLLM's default "raw logprobs"; OpenAI documents logprobs as the model's).
+
+One ``mx.eval`` and one host transfer per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .api import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """Per-request sampling state (lives as long as the request)."""
+
+    params: SamplingParams
+    tokens: list[int]  # the sequence's prompt + output ids (shared, appended to)
+    prompt_len: int
+    seed: int
+    matcher: object | None = None  # llguidance.LLMatcher
+
+    @classmethod
+    def create(cls, params: SamplingParams, tokens: list[int], prompt_len: int):
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        matcher = params.grammar() if params.grammar is not None else None
+        if matcher is not None and matcher.is_error():
+            raise ValueError(f"invalid grammar: {matcher.get_error()}")
+        return cls(params, tokens, prompt_len, seed, matcher)
+
+    @property
+    def step(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # this row failed (e.g. its grammar); the request ends
+
+
+def row_key(seed: int, step: int) -> tuple[int, int]:
+    d = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
+
+
+def _noise(keys: mx.array, V: int) -> mx.array:
+    """Gumbel noise [R, V], row r from keys[r] only."""
+    u = mx.vmap(lambda k: mx.random.uniform(shape=(V,), key=k))(keys)
+    return -mx.log(-mx.log(u))
+
+
+def _grammar_mask(states: list[SamplingState], V: int, errors: list[str | None]) -> np.ndarray | None:
+    rows = [i for i, s in enumerate(states) if s.matcher is not None]
+    if not rows:
+        return None
+    allowed = np.ones((len(states), V), bool)
+    for i in rows:
+        m = states[i].matcher
+        if m.is_error():
+            errors[i] = f"grammar error: {m.get_error()}"
+            continue
+        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        row = np.unpackbits(bits, bitorder="little").astype(bool)
+        n = min(V, row.size)
+        allowed[i, :n] = row[:n]
+        allowed[i, n:] = False
+        if not allowed[i].any():
+            errors[i] = "grammar allows no token"
+            allowed[i] = True
+    return allowed
+
+
+def sample(logits: mx.array, states: list[SamplingState]) -> list[Sampled]:
+    """Pick one token per row of ``logits [R, V]``; ``states[r]`` is row r's request."""
+    R, V = logits.shape
+    ps = [s.params for s in states]
+    errors: list[str | None] = [None] * R
+    want_lp = any(p.logprobs or p.top_logprobs for p in ps)
+    plain = all(p.temperature <= 0 and p.repetition_penalty == 1 and not p.presence_penalty
+                and not p.frequency_penalty and not p.logit_bias and s.matcher is None
+                for p, s in zip(ps, states))
+    x = logits.astype(mx.float32)
+    raw_lp = x - mx.logsumexp(x, axis=-1, keepdims=True) if want_lp else None
+
+    if plain:
+        tok = mx.argmax(x, axis=-1)
+    else:
+        x = _process(x, states, ps, V, errors)
+        temps = np.array([p.temperature for p in ps], np.float32)
+        greedy = temps <= 0
+        if greedy.all():
+            tok = mx.argmax(x, axis=-1)
+        else:
+            y = x / mx.array(np.where(greedy, 1.0, temps)[:, None])
+            y = _truncate(y, ps, V)
+            keys = mx.array(np.array([row_key(s.seed, s.step) for s in states], np.uint32))
+            y = y + _noise(keys, V)
+            tok = mx.argmax(mx.where(mx.array(greedy[:, None]), x, y), axis=-1)
+
+    outs = [tok]
+    k_top = min(MAX_TOP_LOGPROBS, max((p.top_logprobs for p in ps), default=0))
+    if want_lp:
+        outs.append(mx.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0])
+        if k_top > 0:
+            top_idx = mx.argpartition(-raw_lp, kth=k_top - 1, axis=-1)[:, :k_top]
+            outs += [top_idx, mx.take_along_axis(raw_lp, top_idx, axis=-1)]
+    mx.eval(*outs)
+    toks = outs[0].tolist()
+    lps = outs[1].tolist() if want_lp else None
+    tops = (outs[2].tolist(), outs[3].tolist()) if want_lp and k_top > 0 else None
+
+    result = []
+    for i, (p, s) in enumerate(zip(ps, states)):
+        r = Sampled(int(toks[i]), error=errors[i])
+        if p.logprobs or p.top_logprobs:
+            r.logprob = float(lps[i])
+        if tops is not None and p.top_logprobs > 0:
+            pairs = sorted(zip(tops[0][i], tops[1][i]), key=lambda t: -t[1])
+            r.top_logprobs = [(int(t), float(v)) for t, v in pairs[:p.top_logprobs]]
+        if s.matcher is not None and r.error is None:
+            if not s.matcher.consume_token(r.token) or s.matcher.is_error():
+                r.error = f"grammar error: {s.matcher.get_error() or 'token rejected'}"
+        result.append(r)
+    return result
+
+
+def _process(x: mx.array, states, ps, V: int, errors) -> mx.array:
+    R = len(ps)
+    rep = np.array([p.repetition_penalty for p in ps], np.float32)
+    pres = np.array([p.presence_penalty for p in ps], np.float32)
+    freq = np.array([p.frequency_penalty for p in ps], np.float32)
+    if (rep != 1).any():
+        seen = np.zeros((R, V), bool)
+        for i, s in enumerate(states):
+            if rep[i] != 1 and s.tokens:
+                ids = np.asarray(s.tokens, np.int64)
+                seen[i, ids[(ids >= 0) & (ids < V)]] = True
+        r = mx.array(rep[:, None])
+        x = mx.where(mx.array(seen), mx.where(x > 0, x / r, x * r), x)
+    if pres.any() or freq.any():
+        counts = np.zeros((R, V), np.float32)
+        for i, s in enumerate(states):
+            if (pres[i] or freq[i]) and s.step > 0:
+                ids = np.asarray(s.tokens[s.prompt_len:], np.int64)
+                ids = ids[(ids >= 0) & (ids < V)]
+                np.add.at(counts[i], ids, 1.0)
+        c = mx.array(counts)
+        x = x - mx.array(pres[:, None]) * (c > 0) - mx.array(freq[:, None]) * c
+    if any(p.logit_bias for p in ps):
+        bias = np.zeros((R, V), np.float32)
+        for i, p in enumerate(ps):
+            for t, b in p.logit_bias.items():
+                if 0 <= int(t) < V:
+                    bias[i, int(t)] += float(b)
+        x = x + mx.array(bias)
+    allowed = _grammar_mask(states, V, errors)
+    if allowed is not None:
+        x = mx.where(mx.array(allowed), x, -mx.inf)
+    return x
+
+
+def _truncate(y: mx.array, ps, V: int) -> mx.array:
+    """top-k, then top-p, then min-p, on temperature-scaled logits."""
+    R = len(ps)
+    ks = np.array([p.top_k if 0 < p.top_k < V else V for p in ps], np.int32)
+    tps = np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in ps], np.float32)
+    mps = np.array([p.min_p for p in ps], np.float32)
+    if (ks < V).any() or (tps < 1).any():
+        s = -mx.sort(-y, axis=-1)  # descending
+        thr = mx.take_along_axis(s, mx.array(ks - 1)[:, None], axis=-1)  # k-th largest
+        if (tps < 1).any():
+            s = mx.where(mx.arange(V)[None, :] < mx.array(ks)[:, None], s, -mx.inf)
+            probs = mx.softmax(s, axis=-1)
+            keep = (mx.cumsum(probs, axis=-1) - probs) < mx.array(tps)[:, None]
+            n_keep = mx.maximum(keep.sum(axis=-1, keepdims=True), 1)
+            thr = mx.maximum(thr, mx.take_along_axis(s, (n_keep - 1).astype(mx.int32), axis=-1))
+        y = mx.where(y >= thr, y, -mx.inf)
+    if (mps > 0).any():
+        logmin = np.where(mps > 0, np.log(np.maximum(mps, 1e-30)), -np.inf).astype(np.float32)
+        thr = y.max(axis=-1, keepdims=True) + mx.array(logmin)[:, None]
+        y = mx.where(y >= thr, y, -mx.inf)
+    return y

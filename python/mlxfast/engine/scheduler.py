@@ -1,0 +1,243 @@
+"""Continuous-batching scheduler: pure Python, no MLX.
+
+``schedule() -> StepPlan`` decides what each sequence computes this step under
+a token budget and the free-block count; ``update(plan, tokens)`` applies the
+step's sampled tokens. One rule for progress: each scheduled sequence
+advances ``min(tokens_to_compute, budget)`` tokens — prefill chunks, prefix
+hits (fewer tokens to compute), decode and recompute after preemption are the
+same thing.
+
+Order: running sequences first (oldest first; a decode costs one token of
+budget), then waiting ones (FIFO) while there is budget, a batch slot
+(``max_num_seqs``) and blocks. When a running sequence needs a block and none
+is free, the newest running sequence is preempted: its blocks are freed (they
+stay in the prefix cache, so the recompute is often a cache hit) and it goes
+back to the head of the queue.
+
+Token-level stops (EOS / stop ids, max_tokens, the context length) are
+checked here; stop strings need text, so the engine's per-request output
+processor checks them and calls ``finish``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..kv.block_pool import BlockAllocator, chain_hashes
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Seq:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stop_ids: frozenset = frozenset()
+    namespace: bytes = b""  # prefix-cache namespace (model + scheme + salt)
+    data: Any = None  # the engine's per-request state (stream, sampler, detok)
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    block_table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # full-block hashes of tokens
+    num_registered: int = 0  # full blocks published to the prefix cache
+    cached_tokens: int | None = None  # prompt tokens reused at first admission
+    status: str = WAITING
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+
+@dataclass
+class Row:
+    seq: Seq
+    start: int  # first position computed this step
+    n: int  # tokens computed this step
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+
+@dataclass
+class StepPlan:
+    rows: list[Row] = field(default_factory=list)
+    preempted: list[Seq] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.n for r in self.rows)
+
+    @property
+    def sample_rows(self) -> list[Row]:
+        return [r for r in self.rows if r.sample]
+
+
+@dataclass
+class SeqUpdate:
+    seq: Seq
+    token: int
+    finish_reason: str | None = None  # "stop" | "length" when this token ended it
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 512, max_model_len: int = 4096):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        self.alloc = allocator
+        self.block_size = allocator.block_size
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up at first admission
+        self.prefix_hits = 0  # of which found in the cache
+
+    # -- requests ------------------------------------------------------------
+    def add(self, seq: Seq) -> None:
+        if len(seq.tokens) >= self.max_model_len:
+            raise ValueError("prompt does not fit the context")
+        seq.status = WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Seq | None:
+        for s in self.running:
+            if s.request_id == request_id:
+                return s
+        for s in self.waiting:
+            if s.request_id == request_id:
+                return s
+        return None
+
+    def finish(self, seq: Seq, reason: str) -> None:
+        """End a sequence (stop string, abort, error): free its blocks."""
+        if seq.status == FINISHED:
+            return
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self._release(seq)
+        seq.status = FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Seq) -> None:
+        if seq.block_table:
+            self.alloc.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- one step ------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.budget
+        alloc = self.alloc
+        for seq in list(self.running):
+            if seq.status != RUNNING or budget == 0:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            need = alloc.blocks_for(seq.num_computed + n) - len(seq.block_table)
+            while need > alloc.num_free and seq.status == RUNNING:
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+            if seq.status != RUNNING:
+                break  # it was the newest: nothing after it remains
+            if need > 0:
+                seq.block_table += alloc.allocate(need)
+            plan.rows.append(Row(seq, seq.num_computed, n, seq.num_computed + n == len(seq.tokens)))
+            budget -= n
+
+        while (self.waiting and budget > 0 and not plan.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            bs = self.block_size
+            seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
+            # The last token is always computed (its logits are sampled).
+            hit = alloc.match_prefix(seq.hashes[:(len(seq.tokens) - 1) // bs])
+            start = len(hit) * bs
+            n = min(len(seq.tokens) - start, budget)
+            need = alloc.blocks_for(start + n) - len(hit)
+            if need > alloc.num_free:
+                alloc.free(hit)
+                break
+            self.waiting.popleft()
+            seq.block_table = hit + alloc.allocate(need)
+            seq.num_computed = start
+            seq.num_registered = len(hit)
+            if seq.cached_tokens is None:
+                seq.cached_tokens = start
+                self.prefix_queries += seq.prompt_len
+                self.prefix_hits += start
+            seq.status = RUNNING
+            self.running.append(seq)
+            plan.rows.append(Row(seq, start, n, start + n == len(seq.tokens)))
+            budget -= n
+        return plan
+
+    def update(self, plan: StepPlan, tokens: list[int]) -> list[SeqUpdate]:
+        """Apply a step: ``tokens`` holds one sampled id per ``plan.sample_rows`` entry."""
+        sample_rows = plan.sample_rows
+        if len(tokens) != len(sample_rows):
+            raise ValueError(f"{len(tokens)} tokens for {len(sample_rows)} sampled rows")
+        out = []
+        it = iter(tokens)
+        bs = self.block_size
+        for row in plan.rows:
+            seq = row.seq
+            tok = next(it) if row.sample else None
+            if seq.status != RUNNING:
+                continue  # finished or preempted meanwhile
+            seq.num_computed = row.start + row.n
+            full = seq.num_computed // bs
+            if full > seq.num_registered:
+                seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
+                for b in range(seq.num_registered, full):
+                    self.alloc.register(seq.block_table[b], seq.hashes[b])
+                seq.num_registered = full
+            if tok is None:
+                continue
+            seq.tokens.append(tok)
+            reason = None
+            if tok in seq.stop_ids:
+                reason = "stop"
+                seq.stop_token_id = tok
+            elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.finish(seq, reason)
+            out.append(SeqUpdate(seq, tok, reason))
+        return out

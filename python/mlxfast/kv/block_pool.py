@@ -1,0 +1,201 @@
+"""Paged KV storage: fixed-size blocks, a refcounting allocator and the prefix cache.
+
+Two halves with one job each:
+
+* ``BlockAllocator`` — pure Python, no MLX, so the scheduler and its tests can
+  use it without a model. Blocks have refcounts; a block whose refcount drops
+  to zero goes onto a free queue but keeps its content hash, so a later
+  request with the same prefix can take it back (refcount++, no copy). The
+  free queue is in LRU order and allocation evicts from its front: uncached
+  blocks first, then cached blocks, least recently freed first, and within one
+  freed sequence its tail before its head (a shared prefix outlives the
+  suffixes hanging off it).
+* ``KVPool`` — the MLX storage: per layer one K and one V array of shape
+  ``[num_blocks * block_size, n_kv_heads, head_dim]`` (block ``b`` owns slots
+  ``b*bs .. b*bs+bs-1``). ``write`` scatters new K/V into slots in place: MLX
+  donates the pool's buffer to the scatter when the pool array holds the only
+  reference, which ``KVPool`` guarantees by rebinding its own list entry and
+  never handing the array out past the step (tests/test_kv_pool.py measures it).
+
+Block hashes chain: ``H(parent_hash, block_tokens, namespace)`` where the
+namespace is model fingerprint + KV scheme + block size + the request's
+``cache_salt``; only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+
+def block_hash(parent: bytes, tokens, namespace: bytes) -> bytes:
+    """Chained content hash of one full block of token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent)
+    h.update(namespace)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def chain_hashes(tokens, block_size: int, namespace: bytes, start: list[bytes] | None = None) -> list[bytes]:
+    """Hashes of every full block of ``tokens``; ``start`` = hashes already known."""
+    out = list(start or [])
+    for b in range(len(out), len(tokens) // block_size):
+        parent = out[-1] if out else b""
+        out.append(block_hash(parent, tokens[b * block_size:(b + 1) * block_size], namespace))
+    return out
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Refcounted blocks with a content-addressed prefix cache (pure Python)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.refcount = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        # Blocks with refcount 0, front = evicted first. Values unused.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (free, cached or not)."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation ----------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise NoFreeBlocks(f"need {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            h = self.hash_of[b]
+            if h is not None:  # evict from the prefix cache
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.hash_of[b] = None
+            self.refcount[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; tail blocks are evicted first."""
+        for b in reversed(blocks):
+            rc = self.refcount[b] - 1
+            if rc < 0:
+                raise RuntimeError(f"block {b} freed more often than allocated")
+            self.refcount[b] = rc
+            if rc == 0:
+                if self.hash_of[b] is None:
+                    self.free_queue[b] = None
+                    self.free_queue.move_to_end(b, last=False)  # worthless: evict first
+                else:
+                    self.free_queue[b] = None  # most recently used end
+
+    # -- prefix cache --------------------------------------------------------
+    def match_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Take a reference to the longest cached run of ``hashes``; return its blocks."""
+        if not self.enable_prefix_cache:
+            return []
+        out = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        for b in out:
+            if self.refcount[b] == 0:
+                del self.free_queue[b]
+            self.refcount[b] += 1
+        return out
+
+    def register(self, block: int, h: bytes) -> None:
+        """Record that ``block`` (full, computed) holds the content hashed ``h``."""
+        if not self.enable_prefix_cache or self.hash_of[block] is not None:
+            return
+        if h in self.cached:
+            return  # an identical block is already cached; this one stays private
+        self.hash_of[block] = h
+        self.cached[h] = block
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self.cached.items()):
+            self.hash_of[b] = None
+        self.cached.clear()
+
+    def check(self) -> None:
+        """Internal consistency (tests): free queue == refcount-0 blocks."""
+        zero = {b for b in range(self.num_blocks) if self.refcount[b] == 0}
+        assert zero == set(self.free_queue), "free queue out of sync with refcounts"
+        for h, b in self.cached.items():
+            assert self.hash_of[b] == h
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def kv_dtype(name_or_dtype):
+    import mlx.core as mx
+
+    if isinstance(name_or_dtype, mx.Dtype):
+        return name_or_dtype
+    try:
+        return getattr(mx, _DTYPES[str(name_or_dtype).lower()])
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {name_or_dtype!r} (float32, float16, bfloat16)") from None
+
+
+class KVPool:
+    """Per-layer K and V block storage in MLX arrays (dense fp32/fp16/bf16)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int,
+                 n_kv_heads: int, head_dim: int, dtype="float32"):
+        import mlx.core as mx
+
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.dtype = kv_dtype(dtype)
+        shape = (num_blocks * block_size, n_kv_heads, head_dim)
+        self.keys = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, n_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * n_kv_heads * head_dim * kv_dtype(dtype).size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def write(self, layer: int, slots, k, v) -> None:
+        """Store k/v ``[T, n_kv_heads, head_dim]`` at flat ``slots [T]`` (in place)."""
+        # __setitem__ rebinds the Python object to the scatter's output; the
+        # previous array is then referenced only by the graph, so the scatter
+        # may reuse its buffer.
+        self.keys[layer][slots] = k
+        self.values[layer][slots] = v
+
+    def arrays(self):
+        return self.keys + self.values

@@ -1,0 +1,153 @@
+"""The paged attention context for one flattened engine step.
+
+A step's tokens (decode rows: one token; prefill chunks: many) are laid out
+as T batch rows of length 1, so the model's projections and MLP run once over
+all of them and RoPE takes one position per row (``offsets`` is an int32
+array [T]). ``attend`` writes each token's K/V into its slot and attends each
+token over its own sequence's KV up to and including its own position, which
+makes causality fall out of the positions.
+
+Every index array is built once per step on the host (numpy) and reused by
+all layers. Two attention paths:
+
+* native (CPU): ``ops.paged_attention`` — one primitive per layer walking the
+  block tables directly.
+* reference (any backend): gather each sequence's blocks into contiguous K/V
+  and run ``mx.fast.scaled_dot_product_attention`` with a boolean mask,
+  batching sequences of the same kind together (all decode rows in one
+  call, all prefill chunks in another) so the op count per layer is fixed,
+  not per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .. import ops
+from .block_pool import KVPool
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: ``n`` tokens starting at position ``start``."""
+
+    block_table: list[int]
+    start: int
+    n: int
+
+
+class _Group:
+    """Sequences attended together by the reference path (padded to one shape)."""
+
+    __slots__ = ("q_idx", "kv_idx", "mask", "S", "Q", "L")
+
+
+def _seq_slots(table: list[int], length: int, bs: int) -> np.ndarray:
+    nb = -(-length // bs)
+    t = np.asarray(table[:nb], dtype=np.int64)
+    return (t[:, None] * bs + np.arange(bs)).reshape(-1)[:length]
+
+
+class PagedContext:
+    """Implements the model's cache protocol (``offsets``, ``attend``) for one step."""
+
+    def __init__(self, pool: KVPool, seqs: list[SeqSlice], native: bool | None = None):
+        self.pool = pool
+        bs = pool.block_size
+        self.T = T = sum(s.n for s in seqs)
+        if T == 0:
+            raise ValueError("empty step")
+        positions = np.empty(T, np.int32)
+        slots = np.empty(T, np.int32)
+        seq_idx = np.empty(T, np.int32)
+        t = 0
+        for i, s in enumerate(seqs):
+            pos = np.arange(s.start, s.start + s.n, dtype=np.int64)
+            table = np.asarray(s.block_table, dtype=np.int64)
+            positions[t:t + s.n] = pos
+            slots[t:t + s.n] = table[pos // bs] * bs + pos % bs
+            seq_idx[t:t + s.n] = i
+            t += s.n
+        self.positions_np = positions
+        self.offsets = mx.array(positions)
+        self.slots = mx.array(slots)
+        if native is None:
+            native = ops.has_native_paged_attention()
+        self.native = native
+        if native:
+            max_blocks = max(-(-(s.start + s.n) // bs) for s in seqs)
+            tables = np.zeros((len(seqs), max_blocks), np.int32)
+            for i, s in enumerate(seqs):
+                nb = -(-(s.start + s.n) // bs)
+                tables[i, :nb] = s.block_table[:nb]
+            self.block_tables = mx.array(tables)
+            self.seq_idx = mx.array(seq_idx)
+        else:
+            self._build_groups(seqs, bs)
+
+    # -- reference path metadata ----------------------------------------------
+    def _build_groups(self, seqs: list[SeqSlice], bs: int) -> None:
+        starts = np.cumsum([0] + [s.n for s in seqs])
+        kinds = [[i for i, s in enumerate(seqs) if s.n == 1], [i for i, s in enumerate(seqs) if s.n > 1]]
+        groups, out_pos = [], np.empty(self.T, np.int64)
+        base = 0
+        for members in kinds:
+            if not members:
+                continue
+            g = _Group()
+            g.S, g.Q = len(members), max(seqs[i].n for i in members)
+            g.L = max(seqs[i].start + seqs[i].n for i in members)
+            q_idx = np.zeros((g.S, g.Q), np.int32)
+            kv_idx = np.zeros((g.S, g.L), np.int32)
+            mask = np.zeros((g.S, 1, g.Q, g.L), bool)
+            mask[..., 0] = True  # padded query rows: attend something, discarded
+            keys = np.arange(g.L)
+            for r, i in enumerate(members):
+                s = seqs[i]
+                length = s.start + s.n
+                q_idx[r, :s.n] = np.arange(starts[i], starts[i] + s.n)
+                kv_idx[r, :length] = _seq_slots(s.block_table, length, bs)
+                pos = np.arange(s.start, s.start + s.n)
+                mask[r, 0, :s.n] = keys[None, :] <= pos[:, None]
+                out_pos[starts[i]:starts[i] + s.n] = base + r * g.Q + np.arange(s.n)
+            base += g.S * g.Q
+            g.q_idx, g.kv_idx, g.mask = mx.array(q_idx), mx.array(kv_idx), mx.array(mask)
+            groups.append(g)
+        self.groups = groups
+        identity = base == self.T and np.array_equal(out_pos, np.arange(self.T))
+        self.out_idx = None if identity else mx.array(out_pos.astype(np.int32))
+
+    # -- the model's protocol ------------------------------------------------
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """q [T, Hq, 1, D], k/v [T, Hkv, 1, D] -> [T, Hq, 1, D]."""
+        T, Hq, L, D = q.shape
+        if L != 1 or T != self.T:
+            raise ValueError(f"paged attention expects [{self.T}, H, 1, D] rows, got {q.shape}")
+        Hkv = k.shape[1]
+        pool = self.pool
+        pool.write(layer, self.slots, k.reshape(T, Hkv, D), v.reshape(T, Hkv, v.shape[-1]))
+        kp, vp = pool.keys[layer], pool.values[layer]
+        q = q.reshape(T, Hq, D)
+        if self.native:
+            out = ops.paged_attention(q, kp, vp, self.block_tables, self.seq_idx, self.offsets,
+                                      scale=scale, block_size=pool.block_size)
+        else:
+            out = self._reference(q, kp, vp, scale)
+        return out.reshape(T, Hq, 1, -1)
+
+    def _reference(self, q, kp, vp, scale):
+        T, Hq, D = q.shape
+        outs = []
+        for g in self.groups:
+            qg = q[g.q_idx].transpose(0, 2, 1, 3)  # [S, Hq, Q, D]
+            kg = kp[g.kv_idx].transpose(0, 2, 1, 3)  # [S, Hkv, L, D]
+            vg = vp[g.kv_idx].transpose(0, 2, 1, 3)
+            if kg.dtype != q.dtype:
+                kg, vg = kg.astype(q.dtype), vg.astype(q.dtype)
+            o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(g.S * g.Q, Hq, -1))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        return out if self.out_idx is None else out[self.out_idx]

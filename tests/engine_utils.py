@@ -1,0 +1,93 @@
+"""Shared helpers for the engine tests: a tiny random model, a toy tokenizer,
+and a runner that drives an Engine from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+
+from mlxfast.engine.api import FinishEvent, Request, SamplingParams, TokenEvent
+from mlxfast.models.llama import Model, ModelArgs
+
+
+def tiny_model(seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4,
+               kv_heads: int = 2, vocab: int = 97, max_pos: int = 2048) -> Model:
+    mx.random.seed(seed)
+    args = ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
+                     intermediate_size=2 * hidden, num_attention_heads=heads, vocab_size=vocab,
+                     num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                     tie_word_embeddings=False)
+    model = Model(args)
+    params = {}
+    from mlx.utils import tree_flatten, tree_unflatten
+    for k, v in tree_flatten(model.parameters()):
+        if k.endswith("norm.weight"):
+            params[k] = mx.ones(v.shape)
+        else:
+            params[k] = mx.random.normal(v.shape) * (1.5 / v.shape[-1] ** 0.5 if v.ndim > 1 else 1)
+    params["model.embed_tokens.weight"] = mx.random.normal((vocab, hidden))
+    params["lm_head.weight"] = mx.random.normal((vocab, hidden)) * 4 / hidden ** 0.5
+    model.update(tree_unflatten(list(params.items())))
+    mx.eval(model.parameters())
+    return model
+
+
+class ToyDetok:
+    def __init__(self, tok):
+        self.tok = tok
+
+    def add(self, t: int) -> str:
+        return self.tok.piece(t)
+
+    def flush(self) -> str:
+        return ""
+
+
+class ToyTokenizer:
+    """Token i <-> one letter (i % 26); id 0 is EOS."""
+
+    def __init__(self, vocab: int = 97, eos: int = 0):
+        self.vocab_size = vocab
+        self.eos_token_ids = {eos}
+        self.bos_token_id = None
+
+    def piece(self, t: int) -> str:
+        return "" if t in self.eos_token_ids else chr(ord("a") + t % 26)
+
+    def decode(self, ids) -> str:
+        return "".join(self.piece(t) for t in ids)
+
+    def detokenizer(self):
+        return ToyDetok(self)
+
+
+async def collect(engine, request: Request, delay: float = 0.0):
+    if delay:
+        await asyncio.sleep(delay)
+    stream = engine.submit(request)
+    tokens, text, finish = [], "", None
+    async for ev in stream:
+        if isinstance(ev, TokenEvent):
+            tokens.append(ev.token_id)
+            text += ev.text
+        else:
+            finish = ev
+            text += ev.text
+    return tokens, text, finish
+
+
+def run_requests(engine, requests, delays=None):
+    delays = delays or [0.0] * len(requests)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, r, d) for r, d in zip(requests, delays)))
+
+    return asyncio.run(main())
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+__all__ = ["tiny_model", "ToyTokenizer", "run_requests", "collect", "greedy", "FinishEvent"]
