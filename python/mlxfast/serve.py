@@ -1,0 +1,189 @@
+"""``mlxfast serve`` / ``python -m mlxfast.serve``: the HTTP server.
+
+The port is bound first (a taken port is a one-line error, exit 1), then the
+server answers at once (``/health`` is 503 while the model loads) and the
+model loads in the background. SIGINT/SIGTERM stop accepting connections,
+let in-flight requests finish for up to ``--shutdown-timeout`` seconds,
+abort the rest, and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlxfast serve", description="OpenAI- and Anthropic-compatible LLM server.")
+    p.add_argument("--model", default=None, help="HF/MLX directory or GGUF file (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="model name reported by the API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=None,
+                   help="sequences decoded together (EngineConfig.max_num_seqs)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens")
+    p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens when a request omits it")
+    p.add_argument("--temp", type=float, default=None, help="default temperature when a request omits it")
+    p.add_argument("--top-p", type=float, default=None, help="default top_p")
+    p.add_argument("--top-k", type=int, default=None, help="default top_k")
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    return p
+
+
+def _say(msg: str) -> None:
+    print(f"mlxfast: {msg}", flush=True)
+
+
+def _fail(msg: str) -> int:
+    print(f"mlxfast: error: {msg}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _engine_config(args):
+    from .engine.config import EngineConfig
+
+    wanted = {"max_num_seqs": args.max_batch, "kv_cache_gb": args.kv_cache_gb, "max_model_len": args.max_model_len}
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
+
+
+def _model_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(args.model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    level = args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from .server.app import create_app
+    from .server.state import ServerSettings, ServerState
+
+    settings = ServerSettings(
+        model_name=_model_name(args), api_key=args.api_key, default_max_tokens=args.max_tokens,
+        default_temperature=args.temp, default_top_p=args.top_p, default_top_k=args.top_k,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+    )
+    if args.max_tokens < 1:
+        return _fail("--max-tokens must be at least 1")
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        reason = "the port is already in use" if e.errno in (98, 48) else (e.strerror or str(e))
+        return _fail(f"cannot listen on {args.host}:{args.port}: {reason}")
+
+    state = ServerState(settings=settings)
+    app = create_app(state)
+    config = uvicorn.Config(
+        app, log_level=args.log_level, access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)), lifespan="off",
+    )
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Like uvicorn's, without re-raising the signal afterwards:
+            # a graceful stop exits 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+        def handle_exit(self, sig, frame):
+            if state.status == "ready":
+                state.status = "stopping"
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+    exit_code = [0]
+
+    def load():
+        try:
+            t0 = time.perf_counter()
+            _say(f"loading model {args.model or '(built-in SmolLM2-135M-Instruct)'} ...")
+            from . import load as load_model
+            from .engine.engine import Engine
+
+            model, tokenizer = load_model(args.model)
+            engine = Engine(model, tokenizer, _engine_config(args))
+            engine.start()
+            while not server.started and not server.should_exit:
+                time.sleep(0.01)
+            state.set_ready(model, tokenizer, engine)
+            _say(f"model loaded in {time.perf_counter() - t0:.1f}s; ready on {url} "
+                 f"(model '{settings.model_name}', context {state.max_model_len} tokens)")
+        except BaseException as e:  # report, then stop the server
+            state.status = "failed"
+            state.load_error = f"{type(e).__name__}: {e}"
+            print(f"mlxfast: error: could not load the model: {e}", file=sys.stderr, flush=True)
+            exit_code[0] = 1
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="mlxfast-load", daemon=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if state.status == "ready":
+            state.status = "stopping"
+        engine = state.engine
+        if engine is not None:
+            try:
+                engine.shutdown(timeout=args.shutdown_timeout)
+            except TypeError:
+                engine.shutdown(args.shutdown_timeout)
+            except Exception as e:  # never a traceback on the way out
+                print(f"mlxfast: warning: engine shutdown: {e}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            sock.close()
+    if exit_code[0] == 0:
+        _say("stopped")
+    return exit_code[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Operational routes: /health, /metrics, /stats, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from .common import parse_body
+from .errors import bad_request
+from .metrics import merged_values, render_prometheus
+from .prompts import build_chat_prompt
+from .schemas import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter()
+
+
+def _state(request: Request):
+    return request.app.state.mlxfast
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = _state(request)
+    if state.status == "loading":
+        return JSONResponse({"status": "loading"}, status_code=503)
+    if state.status == "failed":
+        return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
+    if state.status == "stopping":
+        return JSONResponse({"status": "stopping"}, status_code=503)
+    if not state.engine_alive():
+        err = getattr(state.engine, "error", None)
+        return JSONResponse({"status": "error", "error": f"engine stopped: {err or 'unknown'}"}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    state = _state(request)
+    text = render_prometheus(state.metrics, state.engine_stats(), state.settings.model_name)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@router.get("/stats")
+async def stats(request: Request):
+    state = _state(request)
+    engine_stats = state.engine_stats()
+    return {
+        "model": state.settings.model_name,
+        "status": state.status if state.engine_alive() or state.status != "ready" else "error",
+        "max_model_len": state.max_model_len if state.engine is not None else None,
+        "metrics": merged_values(state.metrics, engine_stats),
+        "server": state.metrics.snapshot(),
+        "engine": engine_stats,
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    state = _state(request)
+    state.require_ready()
+    body = await parse_body(request, TokenizeRequest)
+    tok = state.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of 'prompt' or 'messages'")
+    if body.prompt is not None:
+        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    else:
+        from .openai import normalize_messages
+
+        prompt = build_chat_prompt(
+            tok, normalize_messages(body.messages), tools=None, use_tools=False, template_kwargs={},
+            add_generation_prompt=body.add_generation_prompt is not False)
+        ids = prompt.ids
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len,
+            "token_strs": [tok.id_to_token(i) for i in ids]}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    state = _state(request)
+    state.require_ready()
+    body = await parse_body(request, DetokenizeRequest)
+    vocab = state.model_vocab_size
+    for t in body.tokens:
+        if not 0 <= t < min(vocab, state.tokenizer.vocab_size):
+            raise bad_request(f"token id {t} is outside the vocabulary", "tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}

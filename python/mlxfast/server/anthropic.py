@@ -1,0 +1,309 @@
+"""Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens,
+mapped onto the same engine requests as the OpenAI routes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ..engine.api import Request as EngineRequest
+from ..text import tool_calls as tc
+from . import generation as gen
+from .common import new_id, parse_body
+from .errors import APIError, bad_request
+from .prompts import build_chat_prompt
+from .schemas import AnthropicCountRequest, AnthropicRequest
+from .sse import named_event, sse_response
+
+router = APIRouter()
+
+_MEDIA = ("image", "document", "audio", "video", "file", "search_result", "container_upload")
+
+
+def _state(request: Request):
+    return request.app.state.mlxfast
+
+
+def _block_text(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or "type" not in block:
+        raise bad_request(f"{where} must be a content block with a 'type'")
+    t = block["type"]
+    if t == "text":
+        if not isinstance(block.get("text"), str):
+            raise bad_request(f"{where}: a text block needs a string 'text'")
+        return block["text"]
+    if t in _MEDIA:
+        raise bad_request(f"{where}: '{t}' blocks are not supported: this model is text-only")
+    raise bad_request(f"{where}: unexpected block type '{t}'")
+
+
+def _system_text(system) -> str | None:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return system
+    return "\n".join(_block_text(b, f"system[{i}]") for i, b in enumerate(system))
+
+
+def to_messages(body) -> list[dict]:
+    """Anthropic system + messages -> HF template messages."""
+    out: list[dict] = []
+    system = _system_text(body.system)
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}]"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict] = []
+        results: list[dict] = []
+        for j, b in enumerate(m.content):
+            bw = f"{where}.content[{j}]"
+            if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+                raise bad_request(f"{bw} must be a content block with a 'type'")
+            t = b["type"]
+            if t in ("thinking", "redacted_thinking"):
+                continue  # accepted, not fed back to the model
+            if t == "tool_use":
+                if m.role != "assistant":
+                    raise bad_request(f"{bw}: tool_use blocks belong to assistant messages")
+                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                    raise bad_request(f"{bw}: tool_use needs a 'name' and an 'input' object")
+                calls.append({"id": b.get("id") or new_id("toolu_"), "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+            elif t == "tool_result":
+                if m.role != "user":
+                    raise bad_request(f"{bw}: tool_result blocks belong to user messages")
+                c = b.get("content", "")
+                if isinstance(c, list):
+                    c = "\n".join(_block_text(x, f"{bw}.content[{k}]") for k, x in enumerate(c))
+                elif not isinstance(c, str):
+                    raise bad_request(f"{bw}: tool_result content must be a string or text blocks")
+                if b.get("is_error"):
+                    c = f"Error: {c}"
+                results.append({"role": "tool", "content": c, "tool_call_id": b.get("tool_use_id")})
+            elif t in ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                       "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result"):
+                raise bad_request(f"{bw}: '{t}' blocks come from server-side tools, which mlxfast does not run")
+            else:
+                texts.append(_block_text(b, bw))
+        out.extend(results)
+        if texts or calls or not results:
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def _tools(body) -> list[dict] | None:
+    if not body.tools:
+        return None
+    tools = []
+    for i, t in enumerate(body.tools):
+        if t.type not in (None, "custom"):
+            raise bad_request(
+                f"tools[{i}] is the server-side tool '{t.type}', which mlxfast does not run; "
+                "define it as a client tool with an input_schema instead")
+        fn = {"name": t.name, "parameters": t.input_schema or {"type": "object", "properties": {}}}
+        if t.description:
+            fn["description"] = t.description
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def _prompt(state, body):
+    tools = _tools(body)
+    choice = body.tool_choice
+    ctype = choice.type if choice else "auto"
+    if ctype == "tool":
+        if not choice.name:
+            raise bad_request("tool_choice of type 'tool' needs a 'name'")
+        if not any(t["function"]["name"] == choice.name for t in tools or []):
+            raise bad_request(f"tool_choice names '{choice.name}', which is not in tools")
+    if ctype in ("any", "tool") and not tools:
+        raise bad_request(f"tool_choice '{ctype}' requires tools")
+    use_tools = bool(tools) and ctype != "none"
+    kwargs: dict = {}
+    if body.thinking is not None:
+        kwargs["enable_thinking"] = body.thinking.type != "disabled"
+    prompt = build_chat_prompt(state.tokenizer, to_messages(body), tools=tools, use_tools=use_tools,
+                               template_kwargs=kwargs)
+    return prompt, tools, ctype, use_tools
+
+
+def _signature(text: str) -> str:
+    return "mlxfast-" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _stop_reason(ev, n_calls: int) -> tuple[str, str | None]:
+    if ev.finish_reason == "length":
+        return "max_tokens", None
+    if ev.stop_string is not None:
+        return "stop_sequence", ev.stop_string
+    if n_calls:
+        return "tool_use", None
+    return "end_turn", None
+
+
+def _usage(ev) -> dict:
+    return {
+        "input_tokens": ev.prompt_tokens - ev.cached_tokens,
+        "output_tokens": ev.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": ev.cached_tokens,
+    }
+
+
+def _tool_input(call: tc.ToolCall) -> dict:
+    try:
+        v = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        v = {}
+    return v if isinstance(v, dict) else {}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    state = _state(request)
+    state.require_ready()
+    body = await parse_body(request, AnthropicRequest)
+    prompt, tools, ctype, use_tools = _prompt(state, body)
+    grammar = None
+    if use_tools and ctype in ("any", "tool"):
+        grammar = state.grammar.tool_calls(prompt.tool_family or "hermes", [t["function"] for t in tools],
+                                           body.tool_choice.name if ctype == "tool" else None)
+    max_tokens = gen.cap_max_tokens(state, len(prompt.ids), body.max_tokens)
+    params = gen.sampling_params(state, body, max_tokens, stop=body.stop_sequences, grammar=grammar)
+    ereq = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=new_id("msg_"))
+    parser = gen.OutputParser(state.tokenizer, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning,
+                              tool_family=prompt.tool_family if use_tools else None)
+    if body.stream:
+        steps = await gen.run(state, ereq, parser, heartbeat_s=state.settings.heartbeat_s)
+        return sse_response(_stream(state, ereq, steps, body.model, len(prompt.ids)))
+    steps = await gen.run(state, ereq, parser, http_request=request, heartbeat_s=state.settings.disconnect_poll_s)
+    blocks: list[dict] = []
+    finish = None
+    n_calls = 0
+    async for step in steps:
+        for p in step.pieces:
+            if isinstance(p, tc.ToolCall):
+                n_calls += 1
+                blocks.append({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": _tool_input(p)})
+                continue
+            kind, text = p
+            btype = "thinking" if kind == "reasoning" else "text"
+            if blocks and blocks[-1]["type"] == btype:
+                blocks[-1][btype] += text
+            else:
+                blocks.append({"type": btype, btype: text})
+        if step.finish is not None:
+            finish = step.finish
+    if finish is None:
+        return JSONResponse({}, status_code=499)
+    if finish.finish_reason == "error":
+        raise APIError(500, f"generation failed: {finish.error or 'engine error'}", "server_error")
+    for b in blocks:
+        if b["type"] == "thinking":
+            b["signature"] = _signature(b["thinking"])
+    stop_reason, stop_seq = _stop_reason(finish, n_calls)
+    return {
+        "id": ereq.request_id, "type": "message", "role": "assistant", "model": body.model,
+        "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_seq,
+        "usage": _usage(finish),
+    }
+
+
+async def _stream(state, ereq, steps, model, n_prompt):
+    index = -1
+    open_type: str | None = None
+    thinking_text: list[str] = []
+    n_calls = 0
+
+    def start(block: dict) -> bytes:
+        return named_event("content_block_start", {"type": "content_block_start", "index": index, "content_block": block})
+
+    def delta(d: dict) -> bytes:
+        return named_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
+
+    def close() -> list[bytes]:
+        nonlocal open_type
+        out = []
+        if open_type == "thinking":
+            out.append(delta({"type": "signature_delta", "signature": _signature("".join(thinking_text))}))
+        if open_type is not None:
+            out.append(named_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+        open_type = None
+        return out
+
+    try:
+        yield named_event("message_start", {"type": "message_start", "message": {
+            "id": ereq.request_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": n_prompt, "output_tokens": 0,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        }})
+        yield named_event("ping", {"type": "ping"})
+        async for step in steps:
+            if step.heartbeat:
+                yield named_event("ping", {"type": "ping"})
+                continue
+            for p in step.pieces:
+                if isinstance(p, tc.ToolCall):
+                    for b in close():
+                        yield b
+                    index += 1
+                    n_calls += 1
+                    yield start({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": {}})
+                    yield delta({"type": "input_json_delta", "partial_json": p.arguments})
+                    open_type = "tool_use"
+                    for b in close():
+                        yield b
+                    continue
+                kind, text = p
+                btype = "thinking" if kind == "reasoning" else "text"
+                if open_type != btype:
+                    for b in close():
+                        yield b
+                    index += 1
+                    open_type = btype
+                    thinking_text = []
+                    yield start({"type": "thinking", "thinking": "", "signature": ""} if btype == "thinking"
+                                else {"type": "text", "text": ""})
+                if btype == "thinking":
+                    thinking_text.append(text)
+                    yield delta({"type": "thinking_delta", "thinking": text})
+                else:
+                    yield delta({"type": "text_delta", "text": text})
+            ev = step.finish
+            if ev is None:
+                continue
+            if ev.finish_reason == "error":
+                yield named_event("error", {"type": "error", "error": {
+                    "type": "api_error", "message": f"generation failed: {ev.error or 'engine error'}"}})
+                return
+            for b in close():
+                yield b
+            stop_reason, stop_seq = _stop_reason(ev, n_calls)
+            yield named_event("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_seq},
+                "usage": _usage(ev)})
+            yield named_event("message_stop", {"type": "message_stop"})
+            return
+    finally:
+        await steps.aclose()
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    state = _state(request)
+    state.require_ready()
+    body = await parse_body(request, AnthropicCountRequest)
+    prompt, *_ = _prompt(state, body)
+    return {"input_tokens": len(prompt.ids)}

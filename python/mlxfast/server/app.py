@@ -1,0 +1,72 @@
+"""The FastAPI app: routers, error handlers, API-key check, body-size cap."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from fastapi import FastAPI
+
+from . import admin, anthropic, openai
+from .errors import APIError, install_handlers, is_anthropic_path
+from .state import ServerState
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/stats")
+
+
+class _Guard:
+    """ASGI middleware: 401 without the API key, 413 over the body cap."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def _reply(self, scope, send, err: APIError):
+        body = err.anthropic_body() if is_anthropic_path(scope["path"]) else err.openai_body()
+        raw = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": raw})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        s = self.state.settings
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if s.api_key and scope["path"].startswith(_PROTECTED):
+            given = headers.get("x-api-key")
+            auth = headers.get("authorization", "")
+            if given is None and auth[:7].lower() == "bearer ":
+                given = auth[7:].strip()
+            if given is None or not hmac.compare_digest(given.encode(), s.api_key.encode()):
+                msg = "invalid API key" if given else "missing API key (send 'Authorization: Bearer <key>' or 'x-api-key')"
+                return await self._reply(scope, send, APIError(401, msg, "authentication_error", code="invalid_api_key"))
+        cap = s.max_body_bytes
+        too_large = APIError(413, f"request body exceeds the server's limit of {cap} bytes", "request_too_large")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cap:
+            return await self._reply(scope, send, too_large)
+        seen = 0
+
+        async def capped_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > cap:
+                    raise too_large
+            return msg
+
+        return await self.app(scope, capped_receive, send)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="mlxfast", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.mlxfast = state
+    install_handlers(app)
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    app.include_router(admin.router)
+    app.add_middleware(_Guard, state=state)
+    return app

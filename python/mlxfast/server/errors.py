@@ -1,0 +1,146 @@
+"""API errors in OpenAI's and Anthropic's shapes, and the handlers that make
+every failure (validation, unknown route, oversized body, engine state) one
+of them. FastAPI's 422 never reaches a client."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("mlxfast.server")
+
+# OpenAI error type -> Anthropic error type
+_ANTHROPIC_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "permission_error": "permission_error",
+    "not_found_error": "not_found_error",
+    "request_too_large": "request_too_large",
+    "rate_limit_error": "rate_limit_error",
+    "server_error": "api_error",
+    "overloaded_error": "overloaded_error",
+    "memory_admission": "invalid_request_error",
+}
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as JSON (shape chosen by the route)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.type, self.type), "message": self.message}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param=param, code=code)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages") or path.startswith("/anthropic/")
+
+
+def error_response(request_path: str, err: APIError) -> JSONResponse:
+    body = err.anthropic_body() if is_anthropic_path(request_path) else err.openai_body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def _loc(loc) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    out = ""
+    for p in parts:
+        if p.isdigit():
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + p
+    return out
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One readable sentence from pydantic errors, and the offending field."""
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    param = _loc(e.get("loc", ())) or None
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    if e.get("type") == "missing":
+        return f"'{param}' is a required field", param
+    if e.get("type") == "extra_forbidden":
+        return f"unknown field '{param}'", param
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        msg, param = validation_message(list(exc.errors()))
+        return error_response(request.url.path, bad_request(msg, param))
+
+    @app.exception_handler(ValidationError)
+    async def _pyd_validation(request: Request, exc: ValidationError):
+        msg, param = validation_message(exc.errors())
+        return error_response(request.url.path, bad_request(msg, param))
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(request: Request, exc: json.JSONDecodeError):
+        return error_response(request.url.path, bad_request(f"request body is not valid JSON: {exc.msg}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            msg = f"unknown route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} not allowed on {request.url.path}"
+        else:
+            msg = str(exc.detail)
+        return error_response(
+            request.url.path, APIError(exc.status_code, msg, headers=dict(exc.headers or {}))
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(request.url.path, APIError(500, f"internal error: {exc}", "server_error"))

@@ -1,0 +1,241 @@
+"""One request through the engine, shared by both APIs: submit, turn engine
+events into parsed output (content / reasoning / tool calls), record
+metrics, and abort the request if the client goes away."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ..engine.api import (
+    EngineDead,
+    EngineOverloaded,
+    FinishEvent,
+    PromptTooLong,
+    Request,
+    SamplingParams,
+    TokenEvent,
+)
+from ..text import tool_calls as tc
+from ..text.reasoning import ReasoningParser
+from .errors import APIError, bad_request
+from .sse import HEARTBEAT, with_heartbeat
+from .state import ServerState
+
+
+@dataclass
+class Step:
+    """What one engine event produced after parsing."""
+
+    pieces: list = field(default_factory=list)  # ("content"|"reasoning", text) | ToolCall
+    token: TokenEvent | None = None
+    finish: FinishEvent | None = None
+    heartbeat: bool = False
+
+
+def context_overflow(n_prompt: int, max_len: int) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_len} tokens; the prompt has "
+        f"{n_prompt} tokens, leaving no room to generate.",
+        "invalid_request_error", param="messages", code="context_length_exceeded",
+    )
+
+
+def cap_max_tokens(state: ServerState, n_prompt: int, requested: int | None) -> int:
+    """The request's max_tokens, capped to the room the context leaves;
+    a 400 when the prompt alone fills the context."""
+    max_len = state.max_model_len
+    if n_prompt >= max_len:
+        raise context_overflow(n_prompt, max_len)
+    want = requested if requested is not None else state.settings.default_max_tokens
+    return max(1, min(want, max_len - n_prompt))
+
+
+def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, logprobs=False,
+                    top_logprobs=0, grammar=None) -> SamplingParams:
+    """SamplingParams from the OpenAI-style fields of ``body`` (and server defaults)."""
+    s = state.settings
+
+    def pick(name, default):
+        v = getattr(body, name, None)
+        return default if v is None else v
+
+    temperature = pick("temperature", s.default_temperature if s.default_temperature is not None else 1.0)
+    top_p = pick("top_p", s.default_top_p if s.default_top_p is not None else 1.0)
+    top_k = pick("top_k", s.default_top_k if s.default_top_k is not None else 0)
+    if top_k < 0:
+        top_k = 0
+    bias: dict[int, float] = {}
+    vocab = state.model_vocab_size
+    for k, v in (getattr(body, "logit_bias", None) or {}).items():
+        tid = int(k)
+        if not 0 <= tid < vocab:
+            raise bad_request(f"logit_bias token id {tid} is outside the vocabulary (size {vocab})", "logit_bias")
+        bias[tid] = float(v)
+    stop_ids = set(getattr(body, "stop_token_ids", None) or [])
+    for tid in stop_ids:
+        if not 0 <= tid < vocab:
+            raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
+    if isinstance(stop, str):
+        stop = [stop]
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        min_p=float(pick("min_p", 0.0)),
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        presence_penalty=float(pick("presence_penalty", 0.0)),
+        frequency_penalty=float(pick("frequency_penalty", 0.0)),
+        logit_bias=bias,
+        seed=getattr(body, "seed", None),
+        stop=list(stop or []),
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(getattr(body, "ignore_eos", False)),
+        logprobs=bool(logprobs),
+        top_logprobs=int(top_logprobs or 0),
+        grammar=grammar,
+    )
+
+
+class OutputParser:
+    """Engine text -> ``("reasoning"|"content", text)`` pieces and ToolCalls."""
+
+    def __init__(self, tokenizer, *, reasoning: bool, in_reasoning: bool, tool_family: str | None):
+        self.reasoning = ReasoningParser(in_reasoning) if reasoning else None
+        self.tools = tc.make_parser(tool_family) if tool_family else None
+        # Markup held as special tokens, whose text a detokenizer may drop.
+        self._markers: dict[int, str] = {}
+        if tool_family:
+            for text in tc.markup_tokens(tool_family):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if len(ids) == 1:
+                    self._markers[ids[0]] = text
+
+    def feed(self, text: str, token_id: int | None = None) -> list:
+        if token_id is not None and token_id in self._markers and self._markers[token_id] not in text:
+            text = self._markers[token_id] + text
+        return self._route(self.reasoning.feed(text) if self.reasoning else [("content", text)])
+
+    def finish(self, text: str = "") -> list:
+        parts = self.reasoning.feed(text) + self.reasoning.finish() if self.reasoning else [("content", text)]
+        out = self._route(parts)
+        if self.tools:
+            out += self._wrap(self.tools.finish())
+        return _merge(out)
+
+    def _route(self, parts) -> list:
+        out: list = []
+        for kind, text in parts:
+            if not text:
+                continue
+            if kind == "content" and self.tools:
+                out += self._wrap(self.tools.feed(text))
+            else:
+                out.append((kind, text))
+        return _merge(out)
+
+    @staticmethod
+    def _wrap(events) -> list:
+        return [("content", e.text) if isinstance(e, tc.Text) else e for e in events]
+
+
+def _merge(pieces: list) -> list:
+    out: list = []
+    for p in pieces:
+        if isinstance(p, tuple):
+            if not p[1]:
+                continue
+            if out and isinstance(out[-1], tuple) and out[-1][0] == p[0]:
+                out[-1] = (p[0], out[-1][1] + p[1])
+                continue
+        out.append(p)
+    return out
+
+
+def submit(state: ServerState, request: Request):
+    """engine.submit with its failures mapped to API errors."""
+    engine = state.require_ready()
+    try:
+        return engine.submit(request)
+    except PromptTooLong as e:
+        raise APIError(400, str(e) or "the prompt does not fit the context",
+                       "invalid_request_error", param="messages", code="context_length_exceeded") from None
+    except EngineOverloaded as e:
+        raise APIError(429, str(e) or "the server is busy; retry later", "rate_limit_error",
+                       headers={"Retry-After": str(state.settings.retry_after_s)}) from None
+    except EngineDead as e:
+        raise APIError(503, f"the engine has stopped: {e}", "server_error") from None
+
+
+async def run(
+    state: ServerState,
+    request: Request,
+    parser: OutputParser,
+    *,
+    http_request=None,
+    heartbeat_s: float | None = None,
+) -> AsyncIterator[Step]:
+    """Submit ``request`` (errors raise before the first yield) and yield a
+    Step per engine event; the last Step carries the FinishEvent. With
+    ``heartbeat_s``, empty heartbeat Steps come during silences (and a
+    disconnected ``http_request`` aborts the request). Leaving the iteration
+    early aborts the request in the engine."""
+    stream = submit(state, request)
+    return _steps(state, request, stream, parser, http_request, heartbeat_s)
+
+
+async def _steps(state, request, stream, parser, http_request, heartbeat_s):
+    metrics = state.metrics
+    metrics.submitted()
+    t0 = time.perf_counter()
+    last = None
+    finished = False
+    got_token = False
+    try:
+        source = with_heartbeat(stream, heartbeat_s) if heartbeat_s else stream
+        async for ev in source:
+            if ev is HEARTBEAT:
+                if http_request is not None and await http_request.is_disconnected():
+                    return
+                yield Step(heartbeat=True)
+                continue
+            now = time.perf_counter()
+            if isinstance(ev, TokenEvent):
+                if not got_token:
+                    got_token = True
+                    metrics.first_token(now - t0)
+                elif last is not None:
+                    metrics.token_gap(now - last)
+                last = now
+                yield Step(pieces=parser.feed(ev.text, ev.token_id), token=ev)
+            elif isinstance(ev, FinishEvent):
+                finished = True
+                metrics.finished(got_token, now - t0, ev.finish_reason, ev.prompt_tokens,
+                                 ev.completion_tokens, ev.cached_tokens)
+                yield Step(pieces=parser.finish(ev.text or ""), finish=ev)
+                return
+        # The stream ended without a FinishEvent: treat as an engine failure.
+        finished = True
+        metrics.finished(got_token, time.perf_counter() - t0, "error", len(request.prompt_ids), 0, 0)
+        yield Step(pieces=parser.finish(""), finish=FinishEvent(
+            "error", error="the engine ended the request without finishing it",
+            prompt_tokens=len(request.prompt_ids)))
+    finally:
+        if not finished:
+            metrics.finished(got_token, time.perf_counter() - t0, "abort", len(request.prompt_ids), 0, 0)
+            try:
+                state.engine.abort(request.request_id)
+            except Exception:
+                pass
+
+
+def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and UTF-8 bytes, for logprobs."""
+    try:
+        b = tokenizer.token_bytes(token_id)
+    except Exception:
+        b = b""
+    return b.decode("utf-8", errors="replace"), list(b)

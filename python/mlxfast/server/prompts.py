@@ -1,0 +1,152 @@
+"""Chat messages -> prompt text -> token ids, for both APIs.
+
+Messages arrive here already normalised to Hugging Face template form:
+``{"role", "content": str, "tool_calls": [{"id", "type", "function": {"name",
+"arguments": dict}}], "tool_call_id", "name"}``. A template that cannot
+render tools gets mlxfast's Hermes-style tool prompt and past calls/results
+written out as text, so tool use works with any chat model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..text import reasoning as reasoning_mod
+from ..text import tool_calls as tc
+from .errors import bad_request
+
+# reasoning_effort -> template variables
+REASONING_EFFORTS = {
+    "none": {"enable_thinking": False},
+    "minimal": {"enable_thinking": False},
+    "low": {"enable_thinking": True},
+    "medium": {"enable_thinking": True},
+    "high": {"enable_thinking": True},
+}
+
+
+@dataclass
+class ChatPrompt:
+    text: str
+    ids: list[int]
+    tool_family: str | None  # parser to run on the output (None: no tools)
+    reasoning: bool  # split <think> from the answer
+    in_reasoning: bool  # the prompt already opened a think block
+
+
+def template_kwargs_for(reasoning_effort: str | None, extra: dict | None) -> dict:
+    kwargs: dict = {}
+    if reasoning_effort is not None:
+        if reasoning_effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"unknown reasoning_effort {reasoning_effort!r}; expected one of "
+                + ", ".join(REASONING_EFFORTS),
+                param="reasoning_effort",
+            )
+        kwargs.update(REASONING_EFFORTS[reasoning_effort])
+        kwargs["reasoning_effort"] = reasoning_effort
+    if extra:
+        kwargs.update(extra)
+    return kwargs
+
+
+def _text_only(messages: list[dict], family: str) -> list[dict]:
+    """Past tool calls and results as plain text (for templates without tools)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = "\n".join(
+                tc.render_tool_call(family, c["function"]["name"], c["function"]["arguments"])
+                for c in m.pop("tool_calls")
+            )
+            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + calls
+        if m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
+        out.append(m)
+    # Consecutive tool results become one user turn.
+    merged: list[dict] = []
+    for m in out:
+        if (merged and m["role"] == "user" and merged[-1]["role"] == "user"
+                and m["content"].startswith("<tool_response>")
+                and merged[-1]["content"].startswith("<tool_response>")):
+            merged[-1] = {"role": "user", "content": merged[-1]["content"] + "\n" + m["content"]}
+        else:
+            merged.append(m)
+    return merged
+
+
+def _with_system(messages: list[dict], extra: str) -> list[dict]:
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0])
+        first["content"] = (first.get("content") or "") + "\n\n" + extra
+        return [first] + messages[1:]
+    return [{"role": "system", "content": extra}] + messages
+
+
+def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
+    parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages]
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def build_chat_prompt(
+    tokenizer,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None,
+    use_tools: bool,
+    template_kwargs: dict,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> ChatPrompt:
+    """``tools`` are OpenAI-shaped (``{"type": "function", "function": {...}}``)."""
+    template = getattr(tokenizer, "chat_template", None)
+    family = tc.detect_family(template) if tools and use_tools else None
+    native_tools = bool(template) and "tools" in template
+    msgs = messages
+    if tools and not native_tools:
+        msgs = _text_only(msgs, family or "hermes")
+        if use_tools:
+            msgs = _with_system(msgs, tc.fallback_system_prompt([t["function"] for t in tools]))
+    elif not native_tools:
+        msgs = _text_only(msgs, "hermes")
+    if continue_final_message:
+        add_generation_prompt = False
+    if template:
+        try:
+            text = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt,
+                tools=tools if (tools and use_tools and native_tools) else None,
+                **template_kwargs,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+    else:
+        text = _chatml(msgs, add_generation_prompt)
+    if continue_final_message and msgs and msgs[-1]["role"] == "assistant":
+        last = msgs[-1].get("content") or ""
+        i = text.rfind(last) if last else -1
+        if i >= 0:
+            text = text[: i + len(last)]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if getattr(tokenizer, "add_bos", False) and tokenizer.bos_token_id is not None:
+        if not ids or ids[0] != tokenizer.bos_token_id:
+            ids = [tokenizer.bos_token_id] + ids
+    thinking = reasoning_mod.template_supports_thinking(template)
+    return ChatPrompt(
+        text=text, ids=ids, tool_family=family,
+        reasoning=thinking,
+        in_reasoning=thinking and reasoning_mod.prompt_opens_reasoning(text),
+    )
+
+
+def tool_message_content(content) -> str:
+    """A tool result (string, JSON value or text parts) as text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return json.dumps(content, ensure_ascii=False)

@@ -1,0 +1,217 @@
+"""Request bodies (pydantic). Types are strict (no "0.5" for a float, no 1
+for a bool); ranges follow the OpenAI / Anthropic documentation. Unknown
+fields are accepted and ignored, as the peers do."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_CFG = ConfigDict(extra="allow", strict=True)
+
+
+class _Model(BaseModel):
+    model_config = _CFG
+
+
+# ---------------------------------------------------------------- OpenAI
+
+
+class ContentPart(_Model):
+    type: str
+    text: Optional[str] = None
+
+
+class FunctionCallIn(_Model):
+    name: str
+    arguments: Union[str, dict] = "{}"
+
+
+class ToolCallIn(_Model):
+    id: Optional[str] = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+
+class FunctionDef(_Model):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class JsonSchemaFormat(_Model):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StreamOptions(_Model):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class SamplingFields(_Model):
+    """Fields shared by chat and text completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    n: Optional[int] = Field(default=1, ge=1, le=128)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: Optional[bool] = False
+    user: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        for k, b in v.items():
+            try:
+                int(k)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be within [-100, 100], got {b}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        if v == "":
+            return None
+        return v
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+
+
+class TokenizeRequest(_Model):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = True
+    add_generation_prompt: Optional[bool] = True
+
+
+class DetokenizeRequest(_Model):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------- Anthropic
+
+
+class AnthropicMessage(_Model):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[dict]]
+
+
+class AnthropicTool(_Model):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    input_schema: Optional[dict] = None
+    type: Optional[str] = None
+
+
+class AnthropicToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class AnthropicThinking(_Model):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = None
+
+
+class AnthropicRequest(_Model):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[dict], None] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    metadata: Optional[dict] = None
+    stream: Optional[bool] = False
+    thinking: Optional[AnthropicThinking] = None
+
+
+class AnthropicCountRequest(_Model):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[dict], None] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
+    thinking: Optional[AnthropicThinking] = None
