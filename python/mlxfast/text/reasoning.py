@@ -27,6 +27,7 @@ class ReasoningParser:
         self._state = "reasoning" if in_reasoning else "start"  # start|reasoning|content
         self._buf = ""
         self._strip_next = in_reasoning  # drop the newline(s) right after <think>
+        self._strip_content = False  # ... and right after </think>
 
     @property
     def in_reasoning(self) -> bool:
@@ -47,6 +48,11 @@ class ReasoningParser:
                     return out
                 self._state = "content"
             if self._state == "content":
+                if self._strip_content:
+                    self._buf = self._buf.lstrip("\n")
+                    if not self._buf:
+                        return out
+                    self._strip_content = False
                 if self._buf:
                     out.append(("content", self._buf))
                 self._buf = ""
@@ -61,8 +67,9 @@ class ReasoningParser:
             if i >= 0:
                 if i:
                     out.append(("reasoning", self._buf[:i]))
-                self._buf = self._buf[i + len(END):].lstrip("\n")
+                self._buf = self._buf[i + len(END):]
                 self._state = "content"
+                self._strip_content = True
                 continue
             keep = _held(self._buf, END)
             emit = self._buf[: len(self._buf) - keep]
