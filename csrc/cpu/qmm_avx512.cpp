@@ -239,37 +239,83 @@ void gemv(const Args& a) {
 constexpr int kMR = 12;
 constexpr int kNR = 32;
 
+// In-register transpose of 16 rows of 16 bytes: t[b][j] = r[j][b].
+inline void transpose16x16_u8(const __m128i r[16], __m128i t[16]) {
+  __m128i a[16], c[16], d[16];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);      // rows 2i,2i+1; b 0..7
+    a[8 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);  // b 8..15
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) {
+      c[8 * h + i] = _mm_unpacklo_epi16(a[8 * h + 2 * i], a[8 * h + 2 * i + 1]);
+      c[8 * h + 4 + i] = _mm_unpackhi_epi16(a[8 * h + 2 * i], a[8 * h + 2 * i + 1]);
+    }
+  }
+  for (int q = 0; q < 4; ++q) {
+    for (int i = 0; i < 2; ++i) {
+      d[4 * q + i] = _mm_unpacklo_epi32(c[4 * q + 2 * i], c[4 * q + 2 * i + 1]);
+      d[4 * q + 2 + i] = _mm_unpackhi_epi32(c[4 * q + 2 * i], c[4 * q + 2 * i + 1]);
+    }
+  }
+  for (int e = 0; e < 8; ++e) {
+    t[2 * e] = _mm_unpacklo_epi64(d[2 * e], d[2 * e + 1]);
+    t[2 * e + 1] = _mm_unpackhi_epi64(d[2 * e], d[2 * e + 1]);
+  }
+}
+
 // Dequantize weight rows n0..n0+31 into bp[K][32] (fp32; rows >= N are 0).
+// 16 rows at a time: the packed bytes of one 32-value chunk of each row are
+// transposed in registers so that each zero-extended vector holds one k
+// across 16 columns; scale/bias vectors come from a gather per group.
+// sb: scratch for 2 * 32 * G floats.
 template <int BITS>
-void dequant_panel(const Args& a, int64_t n0, float* bp) {
+void dequant_panel(const Args& a, int64_t n0, float* bp, float* sb) {
   const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
   const int64_t row_bytes = K * BITS / 8;
   const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
-  if (ncols < kNR) std::memset(bp, 0, sizeof(float) * K * kNR);
-  const __m512 lut = lut16();
-  // Scatter offsets (in floats) of the 16 lanes of lo / hi within a chunk.
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                         14, 15);
-  __m512i idx_lo, idx_hi;
-  if (BITS == 4) {
-    idx_lo = _mm512_mullo_epi32(lane, _mm512_set1_epi32(2 * kNR));
-    idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(kNR));
-  } else {
-    idx_lo = _mm512_mullo_epi32(lane, _mm512_set1_epi32(kNR));
-    idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(16 * kNR));
+  float* scf = sb;
+  float* bif = sb + kNR * G;
+  cvt_row(a.scales, a.s_dtype, n0 * G, ncols * G, scf);
+  cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, bif);
+  if (ncols < kNR) {
+    std::memset(scf + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
+    std::memset(bif + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
   }
-  for (int64_t j = 0; j < ncols; ++j) {
-    const int64_t n = n0 + j;
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
+  const __m512 lut = lut16();
+  const __m512i gidx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(G)));
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w);
+  for (int half = 0; half < 2; ++half) {
+    const int64_t j0 = half * 16;
     for (int64_t g = 0; g < G; ++g) {
-      __m512 s = _mm512_set1_ps(load_f32(a.scales, a.s_dtype, n * G + g));
-      __m512 b = _mm512_set1_ps(load_f32(a.biases, a.s_dtype, n * G + g));
-      for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
-        __m512 lo, hi;
-        unpack32<BITS>(row, k0, lut, lo, hi);
-        float* base = bp + k0 * kNR + j;
-        _mm512_i32scatter_ps(base, idx_lo, _mm512_fmadd_ps(lo, s, b), 4);
-        _mm512_i32scatter_ps(base, idx_hi, _mm512_fmadd_ps(hi, s, b), 4);
+      const __m512 s = _mm512_i32gather_ps(gidx, scf + j0 * G + g, 4);
+      const __m512 b = _mm512_i32gather_ps(gidx, bif + j0 * G + g, 4);
+      for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
+        __m128i r[16], t[16];
+        const int64_t off = BITS == 4 ? (k0 >> 1) : k0;
+        for (int j = 0; j < 16; ++j) {
+          r[j] = (j0 + j < ncols)
+                     ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                           w + (n0 + j0 + j) * row_bytes + off))
+                     : _mm_setzero_si128();
+        }
+        transpose16x16_u8(r, t);
+        float* dst = bp + k0 * kNR + j0;
+        for (int i = 0; i < 16; ++i) {
+          __m512i z = _mm512_cvtepu8_epi32(t[i]);
+          if (BITS == 4) {
+            _mm512_storeu_ps(dst + (2 * i) * kNR,
+                             _mm512_fmadd_ps(_mm512_permutexvar_ps(z, lut), s, b));
+            _mm512_storeu_ps(dst + (2 * i + 1) * kNR,
+                             _mm512_fmadd_ps(_mm512_permutexvar_ps(
+                                                 _mm512_srli_epi32(z, 4), lut),
+                                             s, b));
+          } else {
+            _mm512_storeu_ps(dst + i * kNR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), s, b));
+          }
+        }
       }
     }
   }
@@ -341,12 +387,13 @@ void gemm(const Args& a) {
   auto body = [pa, ap, K, M, N, P](int64_t b0, int64_t b1) {
     const Args& a = *pa;
     float* bp = tl_w.get(static_cast<size_t>(K * kNR));
+    float* sb = tl_t.get(static_cast<size_t>(2 * kNR * (K / a.group_size)));
     for (int64_t nb = b0; nb < b1; ++nb) {
       int64_t n0 = nb * kNR;
       if (a.bits == 4) {
-        dequant_panel<4>(a, n0, bp);
+        dequant_panel<4>(a, n0, bp, sb);
       } else {
-        dequant_panel<8>(a, n0, bp);
+        dequant_panel<8>(a, n0, bp, sb);
       }
       int64_t nc = N - n0 < kNR ? N - n0 : kNR;
       for (int64_t p = 0; p < P; ++p) {
