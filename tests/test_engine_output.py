@@ -1,0 +1,51 @@
+"""Stop strings across token boundaries; held-back text is never emitted."""
+
+from mlxfast.engine.output import OutputProcessor
+
+
+class Tok:
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def detokenizer(self):
+        pieces = self.pieces
+
+        class D:
+            def add(self, t):
+                return pieces[t]
+
+            def flush(self):
+                return ""
+
+        return D()
+
+
+def run(pieces, stop, ids):
+    out = OutputProcessor(Tok(pieces), stop)
+    emitted = []
+    for t in ids:
+        emitted.append(out.add(t))
+        if out.stop_string:
+            break
+    return emitted, out.finish(), out.stop_string
+
+
+def test_stop_across_tokens_is_held_back_and_cut():
+    pieces = ["Hel", "lo ", "wo", "rld", "!"]
+    emitted, rest, stop = run(pieces, ["o wor"], [0, 1, 2, 3, 4])
+    assert "".join(emitted) + rest == "Hell" and stop == "o wor"
+    assert emitted == ["Hel", "l", "", "", ][:len(emitted)] or "".join(emitted) == "Hell"
+
+
+def test_no_stop_releases_everything():
+    pieces = ["a", "b", "c"]
+    emitted, rest, stop = run(pieces, ["bd"], [0, 1, 2])
+    assert emitted == ["a", "", "bc"] and rest == "" and stop is None
+    emitted, rest, stop = run(pieces, ["cd"], [0, 1, 2])
+    assert "".join(emitted) == "ab" and rest == "c" and stop is None
+
+
+def test_earliest_stop_wins():
+    pieces = ["xxABCDyy"]
+    emitted, rest, stop = run(pieces, ["CD", "AB"], [0])
+    assert emitted == ["xx"] and stop == "AB" and rest == ""

@@ -1,0 +1,192 @@
+"""Scheduler unit tests: pure Python, fake sampled tokens, no model."""
+
+import random
+
+import pytest
+
+from mlxfast.engine.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Seq
+from mlxfast.kv.block_pool import BlockAllocator
+
+
+def make(num_blocks=64, bs=4, **kw):
+    kw.setdefault("max_model_len", num_blocks * bs)
+    return Scheduler(BlockAllocator(num_blocks, bs), **kw)
+
+
+def seq(rid, n, max_tokens=8, stop=(), first=1):
+    return Seq(str(rid), list(range(first, first + n)), max_tokens=max_tokens, stop_ids=frozenset(stop))
+
+
+def step(s, token=50):
+    plan = s.schedule()
+    ups = s.update(plan, [token] * len(plan.sample_rows))
+    return plan, ups
+
+
+def test_chunked_prefill_then_decode():
+    s = make(max_num_batched_tokens=8, max_num_seqs=4)
+    a = seq("a", 20)
+    s.add(a)
+    plan, ups = step(s)
+    assert [(r.start, r.n, r.sample) for r in plan.rows] == [(0, 8, False)] and ups == []
+    plan, ups = step(s)
+    assert [(r.start, r.n, r.sample) for r in plan.rows] == [(8, 8, False)]
+    plan, ups = step(s)
+    assert [(r.start, r.n, r.sample) for r in plan.rows] == [(16, 4, True)]
+    assert ups[0].token == 50 and a.tokens[-1] == 50 and a.num_computed == 20
+    plan, ups = step(s)
+    assert [(r.start, r.n, r.sample) for r in plan.rows] == [(20, 1, True)]
+    assert len(a.block_table) == 6  # 22 tokens known, 21 computed -> 6 blocks of 4
+
+
+def test_decodes_first_then_prefill_under_budget():
+    s = make(max_num_batched_tokens=10, max_num_seqs=4)
+    a, b = seq("a", 3), seq("b", 30)
+    s.add(a)
+    step(s)  # a prefilled, sampled
+    s.add(b)
+    plan, _ = step(s)
+    assert [(r.seq.request_id, r.n) for r in plan.rows] == [("a", 1), ("b", 9)]
+    assert plan.num_tokens == 10
+
+
+def test_max_num_seqs_caps_running():
+    s = make(max_num_batched_tokens=64, max_num_seqs=2)
+    for i in range(4):
+        s.add(seq(i, 3))
+    plan, _ = step(s)
+    assert len(plan.rows) == 2 and len(s.running) == 2 and len(s.waiting) == 2
+
+
+def test_stops_eos_stop_ids_and_max_tokens():
+    s = make(max_num_batched_tokens=64)
+    a = seq("a", 3, max_tokens=100, stop={7})
+    b = seq("b", 3, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    ups = s.update(plan, [7, 9])
+    assert ups[0].finish_reason == "stop" and a.stop_token_id == 7 and a.status == FINISHED
+    assert ups[1].finish_reason is None
+    plan = s.schedule()
+    ups = s.update(plan, [9])
+    assert ups[0].finish_reason == "length" and b.num_output == 2
+    assert s.alloc.num_free == s.alloc.num_blocks
+    s.alloc.check()
+
+
+def test_context_limit_finishes_with_length():
+    s = make(num_blocks=4, bs=4, max_num_batched_tokens=16)  # max_model_len 16
+    a = seq("a", 14, max_tokens=100)
+    s.add(a)
+    step(s)
+    plan, ups = step(s)
+    assert ups[0].finish_reason == "length" and len(a.tokens) == 16
+
+
+def test_prefix_hit_reuses_blocks_and_keeps_last_token():
+    s = make(bs=4, max_num_batched_tokens=64)
+    a = seq("a", 10)
+    s.add(a)
+    step(s)  # 10 computed: blocks 0,1 full and registered
+    s.finish(a, "abort")
+    b = seq("b", 10)  # same prompt
+    s.add(b)
+    plan, _ = step(s)
+    assert b.cached_tokens == 8 and plan.rows[0].start == 8 and plan.rows[0].n == 2
+    c = seq("c", 8)  # prompt exactly two blocks: the last token is recomputed
+    s.add(c)
+    plan, _ = step(s)
+    row = [r for r in plan.rows if r.seq is c][0]
+    assert c.cached_tokens == 4 and (row.start, row.n) == (4, 4)
+    assert s.prefix_hits == 12 and s.prefix_queries == 28
+
+
+def test_namespace_isolates_prefix_cache():
+    s = make(bs=4, max_num_batched_tokens=64)
+    a = seq("a", 10)
+    a.namespace = b"tenant-1"
+    s.add(a)
+    step(s)
+    b = seq("b", 10)
+    b.namespace = b"tenant-2"
+    s.add(b)
+    step(s)
+    assert b.cached_tokens == 0
+
+
+def test_shared_prefix_blocks_are_refcounted():
+    s = make(bs=4, max_num_batched_tokens=64)
+    a = seq("a", 9)
+    s.add(a)
+    step(s)
+    b = seq("b", 9)
+    s.add(b)
+    step(s)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert all(s.alloc.refcount[x] == 2 for x in a.block_table[:2])
+    s.finish(a, "abort")
+    assert all(s.alloc.refcount[x] == 1 for x in b.block_table[:2])
+    s.finish(b, "abort")
+    assert s.alloc.num_free == s.alloc.num_blocks
+    s.alloc.check()
+
+
+def test_preempts_newest_and_recomputes():
+    # 6 blocks of 4 tokens; two sequences that each want 4 blocks.
+    s = make(num_blocks=6, bs=4, max_num_batched_tokens=64, max_model_len=24)
+    a, b = seq("a", 7, max_tokens=20), seq("b", 7, max_tokens=20, first=30)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert len(s.running) == 2
+    preempted = []
+    for _ in range(30):
+        plan, _ = step(s)
+        preempted += plan.preempted
+        s.alloc.check()
+        if a.status == FINISHED:
+            break
+    assert b in preempted and a not in preempted
+    assert a.status == FINISHED and a.finish_reason == "length"
+    assert b.status in (WAITING, RUNNING) and s.num_preemptions >= 1
+    while s.has_work():
+        step(s)
+    assert b.num_output == 17 and len(b.tokens) == 24  # capped by max_model_len
+    assert s.alloc.num_free == 6
+
+
+def test_abort_waiting_and_running():
+    s = make(max_num_batched_tokens=64, max_num_seqs=1)
+    a, b = seq("a", 5), seq("b", 5)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.find("b") is b and b.status == WAITING
+    s.finish(b, "abort")
+    s.finish(a, "abort")
+    assert not s.has_work() and s.alloc.num_free == s.alloc.num_blocks
+
+
+def test_random_workload_never_leaks():
+    rng = random.Random(0)
+    s = make(num_blocks=24, bs=4, max_num_batched_tokens=16, max_num_seqs=5, max_model_len=64)
+    live, n_done = [], 0
+    for it in range(3000):
+        if rng.random() < 0.3 and len(live) < 12:
+            q = Seq(f"r{it}", [rng.randrange(3) for _ in range(rng.randint(1, 30))],
+                    max_tokens=rng.randint(1, 20), stop_ids=frozenset({0}))
+            s.add(q)
+            live.append(q)
+        if live and rng.random() < 0.05:
+            s.finish(live.pop(rng.randrange(len(live))), "abort")
+        if s.has_work():
+            plan = s.schedule()
+            assert plan.rows, "no progress"
+            assert plan.num_tokens <= 16 and len(plan.rows) <= 5
+            s.update(plan, [rng.randrange(5) for _ in plan.sample_rows])
+        live = [q for q in live if q.status != FINISHED]
+        s.alloc.check()
+    for q in live:
+        s.finish(q, "abort")
+    assert s.alloc.num_free == 24 and all(r == 0 for r in s.alloc.refcount)

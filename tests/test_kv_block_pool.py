@@ -1,0 +1,100 @@
+"""Block allocator, prefix-cache hashing and in-place pool writes."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxfast.kv.block_pool import BlockAllocator, KVPool, block_hash, chain_hashes
+from mlxfast.kv.paged import PagedContext, SeqSlice
+
+
+def test_hash_chain_depends_on_parent_tokens_and_namespace():
+    toks = list(range(8))
+    h = chain_hashes(toks, 4, b"ns")
+    assert len(h) == 2 and h[1] == block_hash(h[0], toks[4:], b"ns")
+    assert chain_hashes([9] + toks[1:], 4, b"ns")[1] != h[1]  # parent differs
+    assert chain_hashes(toks, 4, b"other") != h
+    assert chain_hashes(toks + [1, 2], 4, b"ns") == h  # partial block not hashed
+    assert chain_hashes(toks, 4, b"ns", start=h[:1]) == h
+
+
+def test_refcounts_and_free_queue():
+    a = BlockAllocator(4, 2)
+    x = a.allocate(3)
+    assert a.num_free == 1 and all(a.refcount[b] == 1 for b in x)
+    with pytest.raises(RuntimeError):
+        a.allocate(2)
+    a.free(x)
+    assert a.num_free == 4
+    with pytest.raises(RuntimeError):
+        a.free([x[0]])
+    a.check()
+
+
+def test_cached_blocks_survive_free_and_evict_lru_tail_first():
+    a = BlockAllocator(4, 2)
+    s1 = a.allocate(2)
+    a.register(s1[0], b"h0")
+    a.register(s1[1], b"h1")
+    a.free(s1)
+    assert a.num_free == 4
+    assert a.match_prefix([b"h0", b"h1", b"h2"]) == s1  # reused by reference
+    assert a.refcount[s1[0]] == 1 and a.num_free == 2
+    a.free(s1)
+    # Uncached blocks go first, then the sequence's tail, then its head.
+    order = a.allocate(4)
+    assert order[2:] == [s1[1], s1[0]]
+    assert a.match_prefix([b"h0"]) == []  # evicted
+    a.free(order)
+    a.check()
+
+
+def test_duplicate_content_stays_private():
+    a = BlockAllocator(4, 2)
+    x, y = a.allocate(1), a.allocate(1)
+    a.register(x[0], b"h")
+    a.register(y[0], b"h")
+    assert a.cached == {b"h": x[0]} and a.hash_of[y[0]] is None
+
+
+def test_prefix_cache_disabled():
+    a = BlockAllocator(4, 2, enable_prefix_cache=False)
+    x = a.allocate(1)
+    a.register(x[0], b"h")
+    a.free(x)
+    assert a.match_prefix([b"h"]) == []
+
+
+def test_pool_writes_reuse_the_buffer():
+    """Scatter into the pool donates its buffer: memory does not grow per step."""
+    pool = KVPool(num_layers=2, num_blocks=256, block_size=16, n_kv_heads=2, head_dim=64)
+    size = pool.keys[0].nbytes
+    mx.eval(pool.arrays())
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for step in range(6):
+        ctx = PagedContext(pool, [SeqSlice(list(range(8)), step, 1), SeqSlice([8, 9], 3 + step, 1)],
+                           native=False)
+        for layer in range(2):
+            q = mx.ones((2, 4, 1, 64))
+            k = mx.full((2, 2, 1, 64), float(step))
+            out = ctx.attend(layer, q, k, k, 0.125)
+        mx.eval(out)
+        del out, ctx
+        grown = mx.get_active_memory() - base
+        assert grown < size / 2, f"step {step}: active memory grew by {grown} bytes"
+    assert mx.get_peak_memory() - base < 2 * size  # never a second copy of all 4 pool arrays
+    k0 = np.array(pool.keys[0].reshape(-1, 16, 2, 64)[0, :, 0, 0])
+    assert list(k0[:6]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_second_reference_forces_a_copy_not_corruption():
+    pool = KVPool(1, 8, 4, 1, 8)
+    held = pool.keys[0]  # an outside reference: the write must not clobber it
+    snapshot = held
+    before = np.array(snapshot)
+    pool.write(0, mx.array([1]), mx.ones((1, 1, 8)), mx.ones((1, 1, 8)))
+    mx.eval(pool.arrays())
+    assert float(pool.keys[0][1].sum()) == 8.0
+    assert pool.keys[0] is held  # __setitem__ rebinds the same Python object
+    assert before.sum() == 0

@@ -1,0 +1,161 @@
+"""Paged attention: the MLX reference paths against a naive dense computation,
+and the native kernels against the references."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxfast import ops
+from mlxfast.kv.block_pool import KVPool
+from mlxfast.kv.paged import PagedContext, SeqSlice
+
+TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}
+
+
+def naive(q, kp, vp, tables, seq_idx, positions, scale, bs):
+    """Numpy float64: each token over its own sequence's keys 0..pos."""
+    q, kp, vp = (np.array(a.astype(mx.float32), np.float64) for a in (q, kp, vp))
+    T, Hq, D = q.shape
+    Hkv = kp.shape[1]
+    out = np.zeros((T, Hq, vp.shape[-1]))
+    for t in range(T):
+        pos = positions[t]
+        table = tables[seq_idx[t]]
+        slots = [table[p // bs] * bs + p % bs for p in range(pos + 1)]
+        for h in range(Hq):
+            kh = h // (Hq // Hkv)
+            s = kp[slots, kh] @ q[t, h] * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ vp[slots, kh]
+    return out
+
+
+def random_case(rng, *, n_seqs, bs, Hq, Hkv, D, dtype, num_blocks=64, max_len=70):
+    perm = list(range(num_blocks))
+    rng.shuffle(perm)
+    seqs, used = [], 0
+    for _ in range(n_seqs):
+        length = rng.randint(1, max_len)
+        n = rng.choice([1, 1, rng.randint(1, length)])
+        nb = -(-length // bs)
+        seqs.append(SeqSlice(perm[used:used + nb], length - n, n))
+        used += nb
+    k_pool = mx.random.normal((num_blocks * bs, Hkv, D)).astype(dtype)
+    v_pool = mx.random.normal((num_blocks * bs, Hkv, D)).astype(dtype)
+    T = sum(s.n for s in seqs)
+    q = mx.random.normal((T, Hq, D)).astype(dtype)
+    k_new = mx.random.normal((T, Hkv, D)).astype(dtype)
+    v_new = mx.random.normal((T, Hkv, D)).astype(dtype)
+    return seqs, k_pool, v_pool, q, k_new, v_new
+
+
+def flat_meta(seqs):
+    seq_idx, positions = [], []
+    for i, s in enumerate(seqs):
+        seq_idx += [i] * s.n
+        positions += list(range(s.start, s.start + s.n))
+    maxb = max(len(s.block_table) for s in seqs)
+    tables = [s.block_table + [0] * (maxb - len(s.block_table)) for s in seqs]
+    return tables, seq_idx, positions
+
+
+def run_context(seqs, k_pool, v_pool, q, k_new, v_new, bs, native):
+    Hkv, D = k_pool.shape[1:]
+    pool = KVPool(1, k_pool.shape[0] // bs, bs, Hkv, D, k_pool.dtype)
+    pool.keys[0], pool.values[0] = mx.array(k_pool), mx.array(v_pool)
+    ctx = PagedContext(pool, seqs, native=native)
+    T = q.shape[0]
+    out = ctx.attend(0, q[:, :, None], k_new[:, :, None], v_new[:, :, None], 0.3)
+    mx.eval(out)
+    return out.reshape(T, q.shape[1], D), pool.keys[0], pool.values[0]
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_reference_context_matches_naive(Hq, Hkv, bs):
+    rng = random.Random(Hq * 100 + bs)
+    mx.random.seed(rng.randrange(1000))
+    seqs, kp, vp, q, kn, vn = random_case(rng, n_seqs=5, bs=bs, Hq=Hq, Hkv=Hkv, D=16, dtype=mx.float32)
+    out, kp2, vp2 = run_context(seqs, kp, vp, q, kn, vn, bs, native=False)
+    tables, seq_idx, positions = flat_meta(seqs)
+    # The new K/V landed in their slots
+    slots = [tables[i][p // bs] * bs + p % bs for i, p in zip(seq_idx, positions)]
+    np.testing.assert_array_equal(np.array(kp2[mx.array(slots)]), np.array(kn))
+    want = naive(q, kp2, vp2, tables, seq_idx, positions, 0.3, bs)
+    np.testing.assert_allclose(np.array(out), want, atol=2e-5, rtol=2e-5)
+
+
+def test_ops_reference_matches_naive():
+    rng = random.Random(7)
+    seqs, kp, vp, q, _, _ = random_case(rng, n_seqs=4, bs=8, Hq=6, Hkv=2, D=32, dtype=mx.float32)
+    tables, seq_idx, positions = flat_meta(seqs)
+    out = ops.paged_attention_reference(q, kp, vp, mx.array(tables), mx.array(seq_idx),
+                                        mx.array(positions), scale=0.2, block_size=8)
+    want = naive(q, kp, vp, tables, seq_idx, positions, 0.2, 8)
+    np.testing.assert_allclose(np.array(out), want, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_gather_reference():
+    kp = mx.arange(8 * 4 * 2 * 3).reshape(32, 2, 3).astype(mx.float32)
+    got = ops.paged_gather_reference(kp, mx.array([[3, 1], [0, 7]]), 4)
+    assert got.shape == (2, 8, 2, 3)
+    np.testing.assert_array_equal(np.array(got[0, :4]), np.array(kp[12:16]))
+    np.testing.assert_array_equal(np.array(got[1, 4:]), np.array(kp[28:32]))
+
+
+native = pytest.mark.skipif(not ops.has_native_paged_attention(), reason="no native paged attention")
+
+
+@native
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 64), (9, 3, 64), (8, 2, 32), (12, 3, 128)])
+def test_native_matches_reference(dtype, Hq, Hkv, D):
+    for trial, bs in enumerate([1, 4, 16, 32]):
+        rng = random.Random(trial * 31 + Hq + D)
+        mx.random.seed(trial)
+        seqs, kp, vp, q, _, _ = random_case(rng, n_seqs=rng.randint(1, 6), bs=bs, Hq=Hq, Hkv=Hkv,
+                                            D=D, dtype=dtype, num_blocks=max(80, 160 // bs))
+        tables, seq_idx, positions = flat_meta(seqs)
+        args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
+        got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
+        ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
+        assert got.dtype == dtype and got.shape == ref.shape
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)),
+                                   atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@native
+def test_native_mixed_dtypes_and_context():
+    """fp32 queries over an fp16 pool; the full context path native vs reference."""
+    rng = random.Random(3)
+    seqs, kp, vp, q, kn, vn = random_case(rng, n_seqs=6, bs=16, Hq=9, Hkv=3, D=64, dtype=mx.float16)
+    q32 = q.astype(mx.float32)
+    a, _, _ = run_context(seqs, kp, vp, q32, kn, vn, 16, native=True)
+    b, _, _ = run_context(seqs, kp, vp, q32, kn, vn, 16, native=False)
+    assert a.dtype == mx.float32
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=2e-3, rtol=2e-3)
+
+
+@native
+def test_native_validation():
+    q = mx.zeros((2, 4, 8))
+    kp = mx.zeros((16, 2, 8))
+    good = (mx.array([[0, 1]]), mx.array([0, 0]), mx.array([0, 1]))
+    with pytest.raises(ValueError, match="mlxfast.paged_attention"):
+        ops.paged_attention(mx.zeros((2, 3, 8)), kp, kp, *good, scale=1.0, block_size=8)
+    with pytest.raises(ValueError, match="mlxfast.paged_attention"):
+        ops.paged_attention(q, kp, kp, *good, scale=1.0, block_size=5)
+    with pytest.raises(ValueError, match="mlxfast.paged_attention"):
+        ops.paged_attention(q, kp, kp, good[0], mx.array([0]), good[2], scale=1.0, block_size=8)
+
+
+@pytest.mark.skipif(not hasattr(ops._ext, "paged_gather"), reason="no native paged gather")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_native_gather(dtype):
+    kp = mx.random.normal((64 * 16, 3, 64)).astype(dtype)
+    tables = mx.array([[5, 2, 63], [0, 0, 1]], dtype=mx.int32)
+    got = ops.paged_gather(kp, tables, 16)
+    ref = ops.paged_gather_reference(kp, tables, 16)
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)))
