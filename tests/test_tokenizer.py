@@ -351,3 +351,50 @@ def test_spm_save_hf_round_trip(spm_model, tmp_path):
     tok = spm_model["tok"]
     tok.save_hf(tmp_path)
     _assert_same_as_auto_tokenizer(tok, tmp_path, SPM_CORPUS + SPM_SPECIAL)
+
+
+# ---------------------------------------------------------------- other pre-tokenizers
+# The default model's byte-level vocabulary, relabelled with another
+# tokenizer.ggml.pre, exercises that pre-tokenizer against llama.cpp's.
+
+PRE_VALUES = [
+    "default", "gpt-2", "llama-bpe", "qwen2", "qwen35", "tekken", "gpt-4o", "deepseek-v3",
+    "falcon", "starcoder", "seed-coder", "poro-chat", "viking", "bailingmoe", "minicpm5",
+    "tiny_aya", "exaone-moe", "laguna", "chatglm-bpe",
+]
+
+
+def _write_relabelled_gguf(meta, pre: str, path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(1)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"].tolist())
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)  # add_bos_token left out: the pre-tokenizer's default applies
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("pre", PRE_VALUES)
+def test_pre_tokenizer_matches_llama_cpp(gguf_meta, tmp_path, pre):
+    path = tmp_path / f"{pre}.gguf"
+    _write_relabelled_gguf(gguf_meta, pre, path)
+    _, meta = mx.load(str(path), return_metadata=True)
+    ours = Tokenizer.from_gguf_metadata(meta)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in CORPUS + random_texts(150, seed=4):
+        # llama-cpp-python's add_bos is llama.cpp's add_special: BOS only if the vocab wants it.
+        expected = llm.tokenize(text.encode(), add_bos=True, special=True)
+        assert ours.encode(text) == expected, (pre, text)

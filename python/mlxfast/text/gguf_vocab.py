@@ -56,6 +56,20 @@ _DEEPSEEK3 = [
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 ]
+_BAILINGMOE = (
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]|\s+(?!\S)|\s+"
+)
+_MINICPM5 = [
+    r"\p{N}{1,3}",
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+_TINY_AYA = [r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O]
+_EXAONE_MOE = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"
+)
 _SEED_CODER = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}\r\n]+"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -110,6 +124,14 @@ PRE_TOKENIZERS: dict[str, _PreSpec] = {
     **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2"], _spec(_GPT4O)),
     **dict.fromkeys(["deepseek-v3", "hunyuan-dense"], _spec(_DEEPSEEK3)),
     "seed-coder": _spec(_SEED_CODER),
+    **dict.fromkeys(["bailingmoe", "bailingmoe2", "llada-moe"], _spec(_BAILINGMOE)),
+    "grok-2": _spec(_QWEN2),
+    "minicpm5": _spec(_MINICPM5, ignore_merges=True),
+    **dict.fromkeys(["tiny_aya", "cohere2moe"], _spec(_TINY_AYA)),
+    "exaone-moe": _spec(_EXAONE_MOE),
+    "laguna": _spec([r"[^\n]+|[\n]+", _QWEN2]),
+    "mellum2": _DIGITS_THEN_GPT2,
+    "viking": _spec([r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}"]),
     **dict.fromkeys(["poro-chat", "bloom", "gpt3-finnish"], _spec(r" ?[^(\s|.,!?…。，、।۔،)]+")),
 }
 
