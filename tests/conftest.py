@@ -70,7 +70,7 @@ class Server:
 def server():
     port = free_port()
     proc = start_server(port, "--api-key", API_KEY, "--max-batch", "16", "--max-body-mb", "1",
-                        "--max-tokens", "16")
+                        "--max-tokens", "16", "--max-model-len", "256")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -40,6 +42,21 @@ async def metrics(request: Request):
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
+def _jsonable(v):
+    """Engine stats as strict JSON (inf bucket bounds become "+Inf")."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "+Inf" if v > 0 else ("-Inf" if v < 0 else None)
+    if isinstance(v, dict):
+        return {str(_jsonable(k)) if not isinstance(k, str) else k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return [_jsonable(x) for x in sorted(v)]
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    return str(v)
+
+
 @router.get("/stats")
 async def stats(request: Request):
     state = _state(request)
@@ -50,7 +67,7 @@ async def stats(request: Request):
         "max_model_len": state.max_model_len if state.engine is not None else None,
         "metrics": merged_values(state.metrics, engine_stats),
         "server": state.metrics.snapshot(),
-        "engine": engine_stats,
+        "engine": _jsonable(engine_stats),
     }
 
 
