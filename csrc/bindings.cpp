@@ -9,6 +9,7 @@
 #include "common/thread_pool.h"
 #include "ops/quantized_matmul.h"
 #include "ops/silu_mul.h"
+#include "ops/paged_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -35,4 +36,9 @@ NB_MODULE(_ext, m) {
   m.def("quantized_matmul", &mlxfast::quantized_matmul, "x"_a, "w"_a, "scales"_a,
         "biases"_a, nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
         "stream"_a = nb::none());
+  m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
+        "block_tables"_a, "seq_idx"_a, "positions"_a, "scale"_a, "block_size"_a,
+        nb::kw_only(), "stream"_a = nb::none());
+  m.def("paged_gather", &mlxfast::paged_gather, "pool"_a, "block_tables"_a, "block_size"_a,
+        nb::kw_only(), "stream"_a = nb::none());
 }

@@ -65,8 +65,12 @@ def test_prefix_cache_disabled():
     assert a.match_prefix([b"h"]) == []
 
 
-def test_pool_writes_reuse_the_buffer():
+@pytest.mark.parametrize("native", [False, True])
+def test_pool_writes_reuse_the_buffer(native):
     """Scatter into the pool donates its buffer: memory does not grow per step."""
+    from mlxfast import ops
+    if native and not ops.has_native_paged_attention():
+        pytest.skip("no native paged attention")
     pool = KVPool(num_layers=2, num_blocks=256, block_size=16, n_kv_heads=2, head_dim=64)
     size = pool.keys[0].nbytes
     mx.eval(pool.arrays())
@@ -74,7 +78,7 @@ def test_pool_writes_reuse_the_buffer():
     mx.reset_peak_memory()
     for step in range(6):
         ctx = PagedContext(pool, [SeqSlice(list(range(8)), step, 1), SeqSlice([8, 9], 3 + step, 1)],
-                           native=False)
+                           native=native)
         for layer in range(2):
             q = mx.ones((2, 4, 1, 64))
             k = mx.full((2, 2, 1, 64), float(step))

@@ -1,0 +1,190 @@
+#include "ops/paged_attention.h"
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "common/cpu_features.h"
+#include "common/thread_pool.h"
+#include "cpu/paged_attention.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+namespace mlxfast {
+
+namespace pa {
+void parallel(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_t), void* ctx) {
+  parallel_for(n, grain, [fn, ctx](int64_t b, int64_t e) { fn(ctx, b, e); });
+}
+} // namespace pa
+
+namespace {
+
+[[noreturn]] void fail(const char* op, const std::string& what) {
+  throw std::invalid_argument(std::string("[mlxfast.") + op + "] " + what);
+}
+
+bool is_float(mx::Dtype dt) {
+  return dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16;
+}
+
+pa::DType to_pa(mx::Dtype dt) {
+  if (dt == mx::float32) return pa::F32;
+  if (dt == mx::float16) return pa::F16;
+  return pa::BF16;
+}
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream s;
+  s << a.shape();
+  return s.str();
+}
+
+} // namespace
+
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
+                          const mx::array& v_pool, const mx::array& block_tables,
+                          const mx::array& seq_idx, const mx::array& positions,
+                          float scale, int block_size, mx::StreamOrDevice s) {
+  const char* op = "paged_attention";
+  if (q.ndim() != 3) fail(op, "q must be [T, Hq, D], got " + shape_str(q) + ".");
+  if (k_pool.ndim() != 3 || v_pool.ndim() != 3)
+    fail(op, "k_pool and v_pool must be [num_slots, Hkv, D].");
+  if (!is_float(q.dtype()) || !is_float(k_pool.dtype()))
+    fail(op, "q and the pools must be float32, float16 or bfloat16.");
+  if (k_pool.dtype() != v_pool.dtype()) fail(op, "k_pool and v_pool must share a dtype.");
+  int64_t T = q.shape(0);
+  int Hq = q.shape(1), D = q.shape(2), Hkv = k_pool.shape(1);
+  if (k_pool.shape(2) != D) fail(op, "q and k_pool head dims differ.");
+  if (v_pool.shape(0) != k_pool.shape(0) || v_pool.shape(1) != Hkv)
+    fail(op, "v_pool must match k_pool in slots and heads.");
+  if (Hkv <= 0 || Hq % Hkv != 0)
+    fail(op, "the number of query heads must be a multiple of the kv heads.");
+  if (Hq / Hkv > pa::kMaxGroup || D > pa::kMaxHeadDim || v_pool.shape(2) > pa::kMaxHeadDim)
+    fail(op, "head_dim or the GQA group is too large.");
+  if (block_size <= 0 || block_size > pa::kMaxBlock || k_pool.shape(0) % block_size != 0)
+    fail(op, "block_size must be in 1..1024 and divide the pool's slot count.");
+  if (block_tables.ndim() != 2 || block_tables.dtype() != mx::int32)
+    fail(op, "block_tables must be an int32 [S, B] array.");
+  if (seq_idx.ndim() != 1 || positions.ndim() != 1 || seq_idx.shape(0) != T ||
+      positions.shape(0) != T || seq_idx.dtype() != mx::int32 || positions.dtype() != mx::int32)
+    fail(op, "seq_idx and positions must be int32 [T] arrays.");
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> in;
+  for (auto* a : {&q, &k_pool, &v_pool, &block_tables, &seq_idx, &positions})
+    in.push_back(mx::contiguous(*a, false, stream));
+  mx::Shape shape = {static_cast<int>(T), Hq, v_pool.shape(2)};
+  return mx::array(shape, q.dtype(), std::make_shared<PagedAttention>(stream, scale, block_size),
+                   std::move(in));
+}
+
+std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[2].shape(2)}};
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
+                              std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  pa::Args a;
+  a.q = inputs[0].data<void>();
+  a.k = inputs[1].data<void>();
+  a.v = inputs[2].data<void>();
+  a.out = out.data<void>();
+  a.tables = inputs[3].data<int32_t>();
+  a.seq_idx = inputs[4].data<int32_t>();
+  a.pos = inputs[5].data<int32_t>();
+  a.T = inputs[0].shape(0);
+  a.S = inputs[3].shape(0);
+  a.B = inputs[3].shape(1);
+  a.num_slots = inputs[1].shape(0);
+  a.Hq = inputs[0].shape(1);
+  a.Hkv = inputs[1].shape(1);
+  a.D = inputs[0].shape(2);
+  a.Dv = inputs[2].shape(2);
+  a.bs = block_size_;
+  a.scale = scale_;
+  a.q_dtype = to_pa(inputs[0].dtype());
+  a.kv_dtype = to_pa(inputs[1].dtype());
+  if (a.T == 0 || a.Hq == 0) return;
+  CpuPath path = cpu_path();
+  enc.dispatch([a, path]() {
+    switch (path) {
+#if defined(MLXFAST_X86)
+      case CpuPath::Avx512: pa::run_avx512(a); break;
+      case CpuPath::Avx2: pa::run_avx2(a); break;
+#endif
+      default: pa::run_portable(a); break;
+    }
+  });
+}
+
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "[mlxfast.paged_attention] no GPU kernel; mlxfast.ops uses the MLX reference on GPU.");
+}
+
+mx::array paged_gather(const mx::array& pool, const mx::array& block_tables, int block_size,
+                       mx::StreamOrDevice s) {
+  const char* op = "paged_gather";
+  if (pool.ndim() < 1) fail(op, "pool must be [num_slots, ...].");
+  if (block_size <= 0 || pool.shape(0) % block_size != 0)
+    fail(op, "block_size must be positive and divide the pool's slot count.");
+  if (block_tables.ndim() != 2 || block_tables.dtype() != mx::int32)
+    fail(op, "block_tables must be an int32 [S, B] array.");
+  auto stream = mx::to_stream(s);
+  auto p = mx::contiguous(pool, false, stream);
+  auto t = mx::contiguous(block_tables, false, stream);
+  mx::Shape shape = pool.shape();
+  shape[0] = block_tables.shape(1) * block_size;
+  shape.insert(shape.begin(), block_tables.shape(0));
+  return mx::array(shape, pool.dtype(), std::make_shared<PagedGather>(stream, block_size),
+                   {p, t});
+}
+
+std::vector<mx::Shape> PagedGather::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape shape = inputs[0].shape();
+  shape[0] = inputs[1].shape(1) * block_size_;
+  shape.insert(shape.begin(), inputs[1].shape(0));
+  return {shape};
+}
+
+void PagedGather::eval_cpu(const std::vector<mx::array>& inputs,
+                           std::vector<mx::array>& outputs) {
+  auto& pool = inputs[0];
+  auto& tables = inputs[1];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(pool);
+  enc.set_input_array(tables);
+  enc.set_output_array(out);
+  const int64_t n_blocks_pool = pool.shape(0) / block_size_;
+  const int64_t block_bytes = pool.nbytes() / (n_blocks_pool > 0 ? n_blocks_pool : 1);
+  const int64_t n = tables.size();
+  const char* src = pool.data<char>();
+  char* dst = out.data<char>();
+  const int32_t* tb = tables.data<int32_t>();
+  if (n == 0) return;
+  enc.dispatch([=]() {
+    parallel_for(n, 64, [=](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        int64_t blk = tb[i];
+        if (blk < 0 || blk >= n_blocks_pool)
+          std::memset(dst + i * block_bytes, 0, block_bytes);
+        else
+          std::memcpy(dst + i * block_bytes, src + blk * block_bytes, block_bytes);
+      }
+    });
+  });
+}
+
+void PagedGather::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "[mlxfast.paged_gather] no GPU kernel; mlxfast.ops uses the MLX reference on GPU.");
+}
+
+} // namespace mlxfast

@@ -1,0 +1,69 @@
+// paged_attention: each query token attends over its own sequence's KV, read
+// straight from the block pool through block tables (one primitive per layer
+// instead of gather + mask + SDPA). paged_gather: each sequence's KV blocks
+// copied into one contiguous array.
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace mlxfast {
+
+namespace mx = mlx::core;
+
+// q [T, Hq, D] float32/float16/bfloat16; k_pool [num_slots, Hkv, D] and
+// v_pool [num_slots, Hkv, Dv] (same float dtype, any of the three);
+// block_tables [S, B] int32; seq_idx [T] int32; positions [T] int32.
+// Token t attends keys 0..positions[t] of sequence seq_idx[t]; key j is slot
+// block_tables[s, j / block_size] * block_size + j % block_size.
+// Returns [T, Hq, Dv] in q's dtype (float32 accumulation, online softmax).
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
+                          const mx::array& v_pool, const mx::array& block_tables,
+                          const mx::array& seq_idx, const mx::array& positions,
+                          float scale, int block_size, mx::StreamOrDevice s = {});
+
+// pool [num_slots, ...] any dtype; block_tables [S, B] int32 ->
+// [S, B * block_size, ...] (block b of sequence s = slots table[s,b]*bs ...).
+mx::array paged_gather(const mx::array& pool, const mx::array& block_tables,
+                       int block_size, mx::StreamOrDevice s = {});
+
+class PagedAttention : public mx::Primitive {
+ public:
+  PagedAttention(mx::Stream stream, float scale, int block_size)
+      : mx::Primitive(stream), scale_(scale), block_size_(block_size) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxfastPagedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const PagedAttention&>(other);
+    return scale_ == o.scale_ && block_size_ == o.block_size_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  int block_size_;
+};
+
+class PagedGather : public mx::Primitive {
+ public:
+  PagedGather(mx::Stream stream, int block_size)
+      : mx::Primitive(stream), block_size_(block_size) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxfastPagedGather"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return block_size_ == static_cast<const PagedGather&>(other).block_size_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int block_size_;
+};
+
+} // namespace mlxfast
