@@ -1,0 +1,88 @@
+"""The default model against mlx-lm (test-only oracle) on the same weights:
+the GGUF converted with ``mlxfast convert`` and loaded by both."""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+import mlxfast
+from mlxfast.generate import stream_generate
+from mlxfast.kv import DenseKVCache
+from mlxfast.models.loader import default_model_path
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a linked list.",
+    "Explain photosynthesis to a ten-year-old, in three sentences.",
+    "List five prime numbers and say why each is prime.",
+    "Translate 'good morning, how are you?' into Spanish and German.",
+]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2-mlx")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxfast.cli", "convert", str(default_model_path()), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(converted):
+    return mlx_lm.load(str(converted))
+
+
+@pytest.fixture(scope="module", params=["gguf", "converted"])
+def ours(request, converted):
+    return mlxfast.load(None if request.param == "gguf" else converted)
+
+
+def _teacher_forced_ids(tokenizer, prompt):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    text += " Sure. Here is a careful answer with some detail, examples and code where useful:\n1. First,\n2. Second,\n3. Third, and `print(42)` to finish."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) >= 64
+    return ids[:64]
+
+
+def test_teacher_forced_logits_match(ours, oracle):
+    model, tok = ours
+    ref_model, ref_tok = oracle
+    worst = 0.0
+    for prompt in PROMPTS:
+        ids = _teacher_forced_ids(tok, prompt)
+        # Both tokenizers agree on the prompt (checked here, not assumed).
+        ref_text = ref_tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+        assert ref_tok.encode(ref_text, add_special_tokens=False) == ids[: len(ref_tok.encode(ref_text, add_special_tokens=False))]
+        x = mx.array([ids])
+        got = model(x, DenseKVCache(len(model.layers)))[0]
+        want = ref_model(x)[0]
+        assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item(), prompt
+        rel = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        worst = max(worst, rel)
+    print(f"max |dlogit| / max |logit| = {worst:.2e}")
+    assert worst <= 0.01
+
+
+@pytest.mark.slow
+def test_greedy_continuations_identical(oracle):
+    model, tok = mlxfast.load()
+    ref_model, ref_tok = oracle
+    greedy = make_sampler(temp=0.0)
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        ref_prompt = ref_tok.apply_chat_template(messages, add_generation_prompt=True)
+        want = [r.token for r in mlx_lm.stream_generate(ref_model, ref_tok, ref_prompt, max_tokens=64, sampler=greedy)]
+        got = [c.token for c in stream_generate(model, tok, messages, max_tokens=64, temp=0.0)]
+        # mlx-lm yields the EOS token as its last response; ours reports it too.
+        assert got == want, prompt
+        assert len(got) >= 8
