@@ -24,6 +24,7 @@ namespace {
 thread_local Scratch tl_x;  // calling thread: prepared activations
 thread_local Scratch tl_w;  // every thread: scales/biases, weight panel
 thread_local Scratch tl_t;  // every thread: small row temporaries
+thread_local Scratch tl_c;  // every thread: fp32 partial sums across k blocks
 
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff)
@@ -238,6 +239,8 @@ void gemv(const Args& a) {
 
 constexpr int kMR = 12;
 constexpr int kNR = 32;
+constexpr int64_t kKC = 256;
+constexpr int64_t kABlockBytes = 768 << 10;  // packed activation rows kept in L2
 
 // In-register transpose of 16 rows of 16 bytes: t[b][j] = r[j][b].
 inline void transpose16x16_u8(const __m128i r[16], __m128i t[16]) {
@@ -268,20 +271,16 @@ inline void transpose16x16_u8(const __m128i r[16], __m128i t[16]) {
 // 16 rows at a time: the packed bytes of one 32-value chunk of each row are
 // transposed in registers so that each zero-extended vector holds one k
 // across 16 columns; scale/bias vectors come from a gather per group.
-// sb: scratch for 2 * 32 * G floats.
+// sb: the panel's scales then biases as fp32 ([32][G] each, see load_sb).
+// Fills k in [kb, ke) (group-aligned) at bp[(k - kb) * 32].
 template <int BITS>
-void dequant_panel(const Args& a, int64_t n0, float* bp, float* sb) {
+void dequant_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float* bp,
+                   const float* sb) {
   const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
   const int64_t row_bytes = K * BITS / 8;
   const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
-  float* scf = sb;
-  float* bif = sb + kNR * G;
-  cvt_row(a.scales, a.s_dtype, n0 * G, ncols * G, scf);
-  cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, bif);
-  if (ncols < kNR) {
-    std::memset(scf + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
-    std::memset(bif + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
-  }
+  const float* scf = sb;
+  const float* bif = sb + kNR * G;
   const __m512 lut = lut16();
   const __m512i gidx = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -289,7 +288,7 @@ void dequant_panel(const Args& a, int64_t n0, float* bp, float* sb) {
   const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w);
   for (int half = 0; half < 2; ++half) {
     const int64_t j0 = half * 16;
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = kb / gs; g < ke / gs; ++g) {
       const __m512 s = _mm512_i32gather_ps(gidx, scf + j0 * G + g, 4);
       const __m512 b = _mm512_i32gather_ps(gidx, bif + j0 * G + g, 4);
       for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
@@ -302,7 +301,7 @@ void dequant_panel(const Args& a, int64_t n0, float* bp, float* sb) {
                      : _mm_setzero_si128();
         }
         transpose16x16_u8(r, t);
-        float* dst = bp + k0 * kNR + j0;
+        float* dst = bp + (k0 - kb) * kNR + j0;
         for (int i = 0; i < 16; ++i) {
           __m512i z = _mm512_cvtepu8_epi32(t[i]);
           if (BITS == 4) {
@@ -321,6 +320,20 @@ void dequant_panel(const Args& a, int64_t n0, float* bp, float* sb) {
   }
 }
 
+// Scales and biases of weight rows n0..n0+31 as fp32 [32][G] each (0 past N).
+void load_sb(const Args& a, int64_t n0, float* sb) {
+  const int64_t G = a.K / a.group_size;
+  const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
+  float* scf = sb;
+  float* bif = sb + kNR * G;
+  cvt_row(a.scales, a.s_dtype, n0 * G, ncols * G, scf);
+  cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, bif);
+  if (ncols < kNR) {
+    std::memset(scf + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
+    std::memset(bif + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
+  }
+}
+
 // Pack rows p*12 .. p*12+11 of x as ap[K][12] fp32 (missing rows are 0).
 void pack_a(const Args& a, int64_t p, float* ap, float* tmp) {
   const int64_t K = a.K;
@@ -335,18 +348,28 @@ void pack_a(const Args& a, int64_t p, float* ap, float* tmp) {
   }
 }
 
-// C[12][32] = ap[K][12]^T . bp[K][32]; writes rows < mr, columns < nc.
-void micro_12x32(const float* ap, const float* bp, int64_t K, const Args& a, int64_t m0,
-                 int64_t n0, int mr, int64_t nc) {
+// C[12][32] (+)= ap[kc][12]^T . bp[kc][32]. Partial sums live in the fp32
+// strip tile cs[12][32] between k blocks; the last block writes rows < mr,
+// columns < nc of the output (converted to its dtype).
+void micro_12x32(const float* ap, const float* bp, int64_t kc, float* cs, bool first,
+                 bool last, const Args& a, int64_t m0, int64_t n0, int mr, int64_t nc) {
   __m512 c0[kMR], c1[kMR];
+  if (first) {
 #pragma GCC unroll 12
-  for (int r = 0; r < kMR; ++r) {
-    c0[r] = _mm512_setzero_ps();
-    c1[r] = _mm512_setzero_ps();
+    for (int r = 0; r < kMR; ++r) {
+      c0[r] = _mm512_setzero_ps();
+      c1[r] = _mm512_setzero_ps();
+    }
+  } else {
+#pragma GCC unroll 12
+    for (int r = 0; r < kMR; ++r) {
+      c0[r] = _mm512_load_ps(cs + r * kNR);
+      c1[r] = _mm512_load_ps(cs + r * kNR + 16);
+    }
   }
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 b0 = _mm512_loadu_ps(bp);
-    __m512 b1 = _mm512_loadu_ps(bp + 16);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 b0 = _mm512_load_ps(bp);
+    __m512 b1 = _mm512_load_ps(bp + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < kMR; ++r) {
       __m512 x = _mm512_set1_ps(ap[r]);
@@ -355,6 +378,14 @@ void micro_12x32(const float* ap, const float* bp, int64_t K, const Args& a, int
     }
     ap += kMR;
     bp += kNR;
+  }
+  if (!last) {
+#pragma GCC unroll 12
+    for (int r = 0; r < kMR; ++r) {
+      _mm512_store_ps(cs + r * kNR, c0[r]);
+      _mm512_store_ps(cs + r * kNR + 16, c1[r]);
+    }
+    return;
   }
   const int64_t N = a.N;
   if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
@@ -384,21 +415,37 @@ void gemm(const Args& a) {
   };
   par(P, 4, pack);
   const int64_t NB = ceil_div(N, kNR);
-  auto body = [pa, ap, K, M, N, P](int64_t b0, int64_t b1) {
+  // k blocks: a [kc][32] weight panel (32 KiB at kc = 256) stays in L1.
+  const int64_t kc_max = (kKC / a.group_size) * a.group_size;
+  const int64_t pc = (kABlockBytes / (K * kMR * 4) > 1 ? kABlockBytes / (K * kMR * 4) : 1);
+  auto body = [pa, ap, K, M, N, P, kc_max, pc](int64_t b0, int64_t b1) {
     const Args& a = *pa;
-    float* bp = tl_w.get(static_cast<size_t>(K * kNR));
-    float* sb = tl_t.get(static_cast<size_t>(2 * kNR * (K / a.group_size)));
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      int64_t n0 = nb * kNR;
-      if (a.bits == 4) {
-        dequant_panel<4>(a, n0, bp, sb);
-      } else {
-        dequant_panel<8>(a, n0, bp, sb);
-      }
-      int64_t nc = N - n0 < kNR ? N - n0 : kNR;
-      for (int64_t p = 0; p < P; ++p) {
-        int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
-        micro_12x32(ap + p * K * kMR, bp, K, a, p * kMR, n0, mr, nc);
+    const int64_t G = K / a.group_size;
+    float* bp = tl_w.get(static_cast<size_t>(kc_max * kNR));
+    float* sb = tl_t.get(static_cast<size_t>(2 * kNR * G));
+    float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * kMR * kNR)) : nullptr;
+    // Row blocks of packed activations small enough to stay in L2 while
+    // every weight panel of this thread passes over them.
+    for (int64_t pb = 0; pb < P; pb += pc) {
+      const int64_t pe = pb + pc < P ? pb + pc : P;
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        const int64_t n0 = nb * kNR;
+        const int64_t nc = N - n0 < kNR ? N - n0 : kNR;
+        load_sb(a, n0, sb);
+        for (int64_t kb = 0; kb < K; kb += kc_max) {
+          const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
+          if (a.bits == 4) {
+            dequant_panel<4>(a, n0, kb, ke, bp, sb);
+          } else {
+            dequant_panel<8>(a, n0, kb, ke, bp, sb);
+          }
+          for (int64_t p = pb; p < pe; ++p) {
+            int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
+            micro_12x32(ap + p * K * kMR + kb * kMR, bp, ke - kb,
+                        cs ? cs + p * kMR * kNR : nullptr, kb == 0, ke == K, a, p * kMR,
+                        n0, mr, nc);
+          }
+        }
       }
     }
   };
