@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 import mlxfast
-from mlxfast.generate import stream_generate
+from mlxfast.generation import stream_generate
 from mlxfast.kv import DenseKVCache
 from mlxfast.models.loader import default_model_path
 

@@ -20,14 +20,14 @@ def load(path=None, **kwargs):
 
 def generate(model, tokenizer, prompt, **kwargs):
     """Generate a completion and return it as one string (see stream_generate)."""
-    from .generate import generate as _generate
+    from .generation import generate as _generate
 
     return _generate(model, tokenizer, prompt, **kwargs)
 
 
 def stream_generate(model, tokenizer, prompt, **kwargs):
     """Yield text pieces as they are generated (never a broken UTF-8 character)."""
-    from .generate import stream_generate as _stream_generate
+    from .generation import stream_generate as _stream_generate
 
     return _stream_generate(model, tokenizer, prompt, **kwargs)
 
