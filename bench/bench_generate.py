@@ -1,0 +1,156 @@
+"""Single-stream decode and prefill: mlxfast against mlx-lm, same weights, one run.
+
+    .venv/bin/python bench/bench_generate.py [--decode 256] [--prefill 512 2048]
+
+mlx-lm loads the default model converted by ``mlxfast convert``; both run on
+the same process and machine, and the ratio is what to read (these machines
+are shared and noisy). llama.cpp (llama-cpp-python) is measured too when it is
+installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import mlx.core as mx
+
+
+def _prompt_ids(tok, n: int) -> list[int]:
+    text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(n))
+    ids = tok.encode(text, add_special_tokens=False)[:n]
+    assert len(ids) == n
+    return ids
+
+
+def bench_mlxfast(path, n_decode: int, prefills: list[int]) -> dict:
+    import mlxfast
+    from mlxfast.generation import stream_generate
+    from mlxfast.kv import DenseKVCache
+
+    model, tok = mlxfast.load(path)
+    out = {}
+    ids = _prompt_ids(tok, 32)
+    list(stream_generate(model, tok, ids, max_tokens=8))  # warm-up
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for c in stream_generate(model, tok, ids, max_tokens=n_decode, temp=0.0):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    # Decode rate excludes the prefill and the first token; EOS is ignored by
+    # the oracle's count too, so compare tokens/second only.
+    out["decode_tok_s"] = (n - 1) / (time.perf_counter() - first)
+    for p in prefills:
+        ids = _prompt_ids(tok, p)
+        cache = DenseKVCache(len(model.layers))
+        t0 = time.perf_counter()
+        pos = 0
+        while pos < p:
+            chunk = ids[pos:pos + 512]
+            logits = model(mx.array([chunk]), cache, logit_rows=mx.array([len(chunk) - 1]))
+            cache.advance(len(chunk))
+            mx.eval(logits, cache.state_arrays())
+            pos += len(chunk)
+        out[f"prefill_{p}_tok_s"] = p / (time.perf_counter() - t0)
+    return out
+
+
+def bench_mlx_lm(path, n_decode: int, prefills: list[int], max_prefill_oracle: int) -> dict:
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = mlx_lm.load(str(path))
+    out = {}
+    ids = _prompt_ids(tok, 32)
+    greedy = make_sampler(temp=0.0)
+    for _ in generate_step(mx.array(ids), model, max_tokens=4, sampler=greedy):
+        pass
+    first = None
+    n = 0
+    for _ in generate_step(mx.array(ids), model, max_tokens=n_decode, sampler=greedy):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    out["decode_tok_s"] = (n - 1) / (time.perf_counter() - first)
+    for p in prefills:
+        if p > max_prefill_oracle:
+            continue
+        x = mx.array([_prompt_ids(tok, p)])
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        out[f"prefill_{p}_tok_s"] = p / (time.perf_counter() - t0)
+    return out
+
+
+def bench_llama_cpp(gguf, n_decode: int, prefills: list[int]) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    import os
+
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=os.cpu_count(), verbose=False, n_batch=512)
+    out = {}
+    ids = llm.tokenize(b"Item 0: the quick brown fox", add_bos=False)
+    llm.reset()
+    llm.eval(ids)
+    t0 = time.perf_counter()
+    n = 0
+    for tok in llm.generate(ids, temp=0.0, reset=True):
+        n += 1
+        if n == 1:
+            t0 = time.perf_counter()
+        if n >= n_decode:
+            break
+    out["decode_tok_s"] = (n - 1) / (time.perf_counter() - t0)
+    for p in prefills:
+        text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(p))
+        pids = llm.tokenize(text.encode(), add_bos=False)[:p]
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(pids)
+        out[f"prefill_{p}_tok_s"] = p / (time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode", type=int, default=256)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[512, 2048])
+    ap.add_argument("--oracle-max-prefill", type=int, default=512,
+                    help="skip mlx-lm prefill above this length (it takes minutes)")
+    args = ap.parse_args()
+
+    from mlxfast.convert import convert_gguf
+    from mlxfast.models.loader import default_model_path
+
+    gguf = default_model_path()
+    rows = {"mlxfast": bench_mlxfast(None, args.decode, args.prefill)}
+    with tempfile.TemporaryDirectory() as d:
+        convert_gguf(gguf, d)
+        rows["mlx-lm"] = bench_mlx_lm(d, args.decode, args.prefill, args.oracle_max_prefill)
+    lc = bench_llama_cpp(gguf, args.decode, args.prefill)
+    if lc:
+        rows["llama.cpp"] = lc
+
+    keys = ["decode_tok_s"] + [f"prefill_{p}_tok_s" for p in args.prefill]
+    print(f"{'engine':<12}" + "".join(f"{k:>20}" for k in keys))
+    for name, r in rows.items():
+        print(f"{name:<12}" + "".join(f"{r.get(k, float('nan')):>20.1f}" for k in keys))
+    for other in ("mlx-lm", "llama.cpp"):
+        if other in rows:
+            ratio = "".join(
+                f"{rows['mlxfast'][k] / rows[other][k]:>20.2f}" if k in rows[other] else f"{'-':>20}"
+                for k in keys
+            )
+            print(f"{'/ ' + other:<12}" + ratio)
+
+
+if __name__ == "__main__":
+    main()
