@@ -150,66 +150,113 @@ inline void scal(float* y, float a, int n) {
 
 inline size_t elem_size(DType d) { return d == F32 ? 4 : 2; }
 
+// Query tile: consecutive tokens of one sequence processed together, so
+// each K/V row is read once per tile instead of once per token.
+constexpr int kTile = 16;
+
+inline void prefetch_rows(const char* base, int64_t first_row_bytes_off, int rows,
+                          int64_t row_stride, int row_bytes) {
+  for (int r = 0; r < rows; ++r)
+    for (int o = 0; o < row_bytes; o += 64)
+      __builtin_prefetch(base + first_row_bytes_off + r * row_stride + o);
+}
+
 template <int W>
 struct Kernel {
-  static void run_range(void* ctx, int64_t begin, int64_t end) {
-    const Args& a = *static_cast<const Args*>(ctx);
+  struct Ctx {
+    const Args* a;
+    const int64_t* tiles;  // [n_tiles + 1] token offsets
+    int64_t n_tiles;
+  };
+
+  static void run_range(void* vctx, int64_t begin, int64_t end) {
+    const Ctx& c = *static_cast<const Ctx*>(vctx);
+    const Args& a = *c.a;
     const int G = a.Hq / a.Hkv, D = a.D, Dv = a.Dv, bs = a.bs;
+    const int R = kTile * G;  // query rows per item
     const size_t qes = elem_size(a.q_dtype), kes = elem_size(a.kv_dtype);
-    // Scratch: q (G*D), acc (G*Dv), scores (G*bs), m, l (G), k row, v row.
-    size_t n = static_cast<size_t>(G) * D + static_cast<size_t>(G) * Dv +
-               static_cast<size_t>(G) * bs + 2 * G + D + Dv + 64;
+    size_t n = static_cast<size_t>(R) * (D + Dv + bs + 2) + D + Dv + 64;
     float* scratch = static_cast<float*>(std::malloc(n * sizeof(float)));
     float* qf = scratch;
-    float* acc = qf + static_cast<size_t>(G) * D;
-    float* sc = acc + static_cast<size_t>(G) * Dv;
-    float* m = sc + static_cast<size_t>(G) * bs;
-    float* l = m + G;
-    float* kbuf = l + G;
+    float* acc = qf + static_cast<size_t>(R) * D;
+    float* sc = acc + static_cast<size_t>(R) * Dv;
+    float* m = sc + static_cast<size_t>(R) * bs;
+    float* l = m + R;
+    float* kbuf = l + R;
     float* vbuf = kbuf + D;
-    const int64_t T = a.T;
+    int64_t qpos[kTile];
+    const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;   // bytes between K rows
+    const int64_t vrow = static_cast<int64_t>(a.Hkv) * Dv * kes;
+    const int64_t NT = c.n_tiles;
     for (int64_t it = begin; it < end; ++it) {
-      // Interleave light and heavy tokens: item i -> token from alternate ends.
+      // Alternate light and heavy tiles across the range (later tiles see more keys).
       int64_t ti = it / a.Hkv;
       const int kh = static_cast<int>(it % a.Hkv);
-      const int64_t t = (ti % 2 == 0) ? ti / 2 : T - 1 - ti / 2;
-      const int32_t s = a.seq_idx[t];
-      int64_t n_keys = static_cast<int64_t>(a.pos[t]) + 1;
-      const bool valid = s >= 0 && s < a.S && n_keys >= 1;
-      if (n_keys > a.B * bs) n_keys = a.B * bs;
-      for (int g = 0; g < G; ++g) {
-        const int h = kh * G + g;
-        const char* qp = static_cast<const char*>(a.q) + ((t * a.Hq + h) * D) * qes;
-        const float* qr = load_row(qp, a.q_dtype, D, qf + static_cast<size_t>(g) * D);
-        for (int d = 0; d < D; ++d) qf[static_cast<size_t>(g) * D + d] = qr[d] * a.scale;
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+      ti = (ti % 2 == 0) ? ti / 2 : NT - 1 - ti / 2;
+      const int64_t t0 = c.tiles[ti], t1 = c.tiles[ti + 1];
+      const int nq = static_cast<int>(t1 - t0);
+      const int32_t s = a.seq_idx[t0];
+      const bool valid = s >= 0 && s < a.S;
+      int64_t n_keys = 0;
+      for (int j = 0; j < nq; ++j) {
+        int64_t p = static_cast<int64_t>(a.pos[t0 + j]);
+        if (p > a.B * bs - 1) p = a.B * bs - 1;
+        qpos[j] = p;
+        if (p + 1 > n_keys) n_keys = p + 1;
       }
-      std::memset(acc, 0, sizeof(float) * G * Dv);
-      if (valid) {
+      const int rows = nq * G;
+      for (int j = 0; j < nq; ++j)
+        for (int g = 0; g < G; ++g) {
+          const int r = j * G + g, h = kh * G + g;
+          const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
+          float* dst = qf + static_cast<size_t>(r) * D;
+          const float* qr = load_row(qp, a.q_dtype, D, dst);
+          for (int d = 0; d < D; ++d) dst[d] = qr[d] * a.scale;
+          m[r] = -INFINITY;
+          l[r] = 0.f;
+        }
+      std::memset(acc, 0, sizeof(float) * rows * Dv);
+      if (valid && n_keys > 0) {
         const int32_t* table = a.tables + static_cast<int64_t>(s) * a.B;
         const int64_t nblk = (n_keys + bs - 1) / bs;
+        const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
+        const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * Dv * kes;
         for (int64_t b = 0; b < nblk; ++b) {
           const int64_t blk = table[b];
           if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
-          const int nk = static_cast<int>(n_keys - b * bs < bs ? n_keys - b * bs : bs);
-          for (int i = 0; i < nk; ++i) {
-            const int64_t slot = blk * bs + i;
-            const char* kp = static_cast<const char*>(a.k) + ((slot * a.Hkv + kh) * D) * kes;
-            const float* kr = load_row(kp, a.kv_dtype, D, kbuf);
-            for (int g = 0; g < G; ++g)
-              sc[g * bs + i] = dot<W>(qf + static_cast<size_t>(g) * D, kr, D);
+          if (b + 1 < nblk) {
+            const int64_t nxt = table[b + 1];
+            if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
+              prefetch_rows(kbase, nxt * bs * krow, bs, krow, static_cast<int>(D * kes));
+              prefetch_rows(vbase, nxt * bs * vrow, bs, vrow, static_cast<int>(Dv * kes));
+            }
           }
-          for (int g = 0; g < G; ++g) {
-            float* sg = sc + g * bs;
-            float mb = sg[0];
-            for (int i = 1; i < nk; ++i) mb = sg[i] > mb ? sg[i] : mb;
-            const float mn = m[g] > mb ? m[g] : mb;
-            if (m[g] != mn) {
-              const float alpha = std::exp(m[g] - mn);  // exp(-inf) = 0 on the first block
-              l[g] *= alpha;
-              scal(acc + static_cast<size_t>(g) * Dv, alpha, Dv);
-              m[g] = mn;
+          const int64_t key0 = b * bs;
+          const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
+          for (int i = 0; i < nk; ++i) {
+            const float* kr = load_row(kbase + (blk * bs + i) * krow, a.kv_dtype, D, kbuf);
+            for (int j = 0; j < nq; ++j) {
+              const bool ok = key0 + i <= qpos[j];
+              for (int g = 0; g < G; ++g) {
+                const int r = j * G + g;
+                sc[r * bs + i] = ok ? dot<W>(qf + static_cast<size_t>(r) * D, kr, D) : -INFINITY;
+              }
+            }
+          }
+          for (int r = 0; r < rows; ++r) {
+            float* sg = sc + r * bs;
+            float mb = -INFINITY;
+            for (int i = 0; i < nk; ++i) mb = sg[i] > mb ? sg[i] : mb;
+            if (mb == -INFINITY) {  // every key of this block is in this query's future
+              for (int i = 0; i < nk; ++i) sg[i] = 0.f;
+              continue;
+            }
+            const float mn = m[r] > mb ? m[r] : mb;
+            if (m[r] != mn) {
+              const float alpha = std::exp(m[r] - mn);
+              l[r] *= alpha;
+              scal(acc + static_cast<size_t>(r) * Dv, alpha, Dv);
+              m[r] = mn;
             }
             float sum = 0.f;
             for (int i = 0; i < nk; ++i) {
@@ -217,39 +264,50 @@ struct Kernel {
               sg[i] = e;
               sum += e;
             }
-            l[g] += sum;
+            l[r] += sum;
           }
           for (int i = 0; i < nk; ++i) {
-            const int64_t slot = blk * bs + i;
-            const char* vp = static_cast<const char*>(a.v) + ((slot * a.Hkv + kh) * Dv) * kes;
-            const float* vr = load_row(vp, a.kv_dtype, Dv, vbuf);
-            for (int g = 0; g < G; ++g) axpy(acc + static_cast<size_t>(g) * Dv, sc[g * bs + i], vr, Dv);
+            const float* vr = load_row(vbase + (blk * bs + i) * vrow, a.kv_dtype, Dv, vbuf);
+            for (int r = 0; r < rows; ++r) {
+              const float p = sc[r * bs + i];
+              if (p != 0.f) axpy(acc + static_cast<size_t>(r) * Dv, p, vr, Dv);
+            }
           }
         }
       }
-      for (int g = 0; g < G; ++g) {
-        const int h = kh * G + g;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        const float* ag = acc + static_cast<size_t>(g) * Dv;
-        const int64_t o = (t * a.Hq + h) * Dv;
-        if (a.q_dtype == F32) {
-          float* op = static_cast<float*>(a.out) + o;
-          for (int d = 0; d < Dv; ++d) op[d] = ag[d] * inv;
-        } else if (a.q_dtype == F16) {
-          uint16_t* op = static_cast<uint16_t*>(a.out) + o;
-          for (int d = 0; d < Dv; ++d) op[d] = f2h(ag[d] * inv);
-        } else {
-          uint16_t* op = static_cast<uint16_t*>(a.out) + o;
-          for (int d = 0; d < Dv; ++d) op[d] = f2b(ag[d] * inv);
+      for (int j = 0; j < nq; ++j)
+        for (int g = 0; g < G; ++g) {
+          const int r = j * G + g, h = kh * G + g;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          const float* ag = acc + static_cast<size_t>(r) * Dv;
+          const int64_t o = ((t0 + j) * a.Hq + h) * Dv;
+          if (a.q_dtype == F32) {
+            float* op = static_cast<float*>(a.out) + o;
+            for (int d = 0; d < Dv; ++d) op[d] = ag[d] * inv;
+          } else if (a.q_dtype == F16) {
+            uint16_t* op = static_cast<uint16_t*>(a.out) + o;
+            for (int d = 0; d < Dv; ++d) op[d] = f2h(ag[d] * inv);
+          } else {
+            uint16_t* op = static_cast<uint16_t*>(a.out) + o;
+            for (int d = 0; d < Dv; ++d) op[d] = f2b(ag[d] * inv);
+          }
         }
-      }
     }
     std::free(scratch);
   }
 
   static void run(const Args& a) {
-    Args copy = a;
-    parallel(a.T * a.Hkv, 1, &Kernel::run_range, &copy);
+    // Tiles: runs of up to kTile consecutive tokens with the same sequence.
+    int64_t* tiles = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.T + 1)));
+    int64_t nt = 0;
+    for (int64_t t = 0; t < a.T; ++t) {
+      if (t == 0 || a.seq_idx[t] != a.seq_idx[t - 1] || t - tiles[nt - 1] >= kTile)
+        tiles[nt++] = t;
+    }
+    tiles[nt] = a.T;
+    Ctx c{&a, tiles, nt};
+    parallel(nt * a.Hkv, 1, &Kernel::run_range, &c);
+    std::free(tiles);
   }
 };
 
