@@ -277,3 +277,14 @@ def test_metrics_follow_requests(fake_client, path):
     assert 'mlxfast:generation_tokens_total{model_name="fake"} 3' in text
     assert "mlxfast:time_to_first_token_seconds_count 1" in text
     assert 'mlxfast:kv_cache_usage_perc{model_name="fake"} 0.25' in text
+
+
+def test_constrained_output_turns_thinking_off(fake_client):
+    c, eng = fake_client('{"a": 1}', chat_template=QWEN_TEMPLATE)
+    dec = c.app.state.mlxfast.tokenizer.decode
+    r = c.post("/v1/chat/completions", json={"messages": USER, "response_format": {"type": "json_object"}})
+    assert r.json()["choices"][0]["message"]["content"] == '{"a": 1}'
+    assert dec(eng.requests[-1].prompt_ids).endswith("<think>\n\n</think>\n\n")
+    r = c.post("/v1/messages", json={"model": "m", "max_tokens": 20, "messages": USER, "tools": A_TOOLS,
+                                     "tool_choice": {"type": "any"}})
+    assert dec(eng.requests[-1].prompt_ids).endswith("<think>\n\n</think>\n\n")

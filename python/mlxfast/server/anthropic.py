@@ -133,6 +133,8 @@ def _prompt(state, body):
     kwargs: dict = {}
     if body.thinking is not None:
         kwargs["enable_thinking"] = body.thinking.type != "disabled"
+    elif use_tools and ctype in ("any", "tool"):
+        kwargs["enable_thinking"] = False  # the forced-call grammar leaves no room for <think>
     prompt = build_chat_prompt(state.tokenizer, to_messages(body), tools=tools, use_tools=use_tools,
                                template_kwargs=kwargs)
     return prompt, tools, ctype, use_tools
@@ -182,7 +184,8 @@ async def messages(request: Request):
     max_tokens = gen.cap_max_tokens(state, len(prompt.ids), body.max_tokens)
     params = gen.sampling_params(state, body, max_tokens, stop=body.stop_sequences, grammar=grammar)
     ereq = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=new_id("msg_"))
-    parser = gen.OutputParser(state.tokenizer, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning,
+    parser = gen.OutputParser(state.tokenizer, reasoning=prompt.reasoning and grammar is None,
+                              in_reasoning=prompt.in_reasoning and grammar is None,
                               tool_family=prompt.tool_family if use_tools else None)
     if body.stream:
         steps = await gen.run(state, ereq, parser, heartbeat_s=state.settings.heartbeat_s)

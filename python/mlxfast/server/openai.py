@@ -120,6 +120,11 @@ def _prepare_chat(state, body: ChatCompletionRequest):
             raise bad_request(f"tool_choice names '{forced_name}', which is not in tools", "tool_choice")
     use_tools = bool(tools) and choice != "none"
     kwargs = template_kwargs_for(body.reasoning_effort, body.chat_template_kwargs)
+    constrained = (use_tools and (choice == "required" or forced_name is not None)) or (
+        body.response_format is not None and body.response_format.type != "text")
+    if constrained:
+        # A grammar leaves no room for a <think> block: ask the template not to open one.
+        kwargs.setdefault("enable_thinking", False)
     prompt = build_chat_prompt(
         tok, messages, tools=tools, use_tools=use_tools, template_kwargs=kwargs,
         add_generation_prompt=body.add_generation_prompt is not False,
@@ -145,7 +150,8 @@ def _prepare_chat(state, body: ChatCompletionRequest):
     rid = new_id("chatcmpl-")
     ereq = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=rid,
                          cache_salt=body.cache_salt or "")
-    parser = gen.OutputParser(tok, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning,
+    parser = gen.OutputParser(tok, reasoning=prompt.reasoning and grammar is None,
+                              in_reasoning=prompt.in_reasoning and grammar is None,
                               tool_family=prompt.tool_family if use_tools else None)
     return ereq, parser
 
