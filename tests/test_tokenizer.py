@@ -360,8 +360,11 @@ def test_spm_save_hf_round_trip(spm_model, tmp_path):
 PRE_VALUES = [
     "default", "gpt-2", "llama-bpe", "qwen2", "qwen35", "tekken", "gpt-4o", "deepseek-v3",
     "falcon", "starcoder", "seed-coder", "poro-chat", "viking", "bailingmoe", "minicpm5",
-    "tiny_aya", "exaone-moe", "laguna", "chatglm-bpe",
+    "exaone-moe", "laguna", "chatglm-bpe",
 ]
+# Not here: "tiny_aya". llama.cpp runs its second regex with std::regex, whose
+# `\s+(?!\S)` sees past the end of the piece the digit regex left ("a   0" ->
+# "  ", " "), where tokenizers' Split, like the model's own tokenizer.json, does not.
 
 
 def _write_relabelled_gguf(meta, pre: str, path: Path) -> None:
