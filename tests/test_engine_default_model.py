@@ -7,7 +7,7 @@ from engine_utils import run_requests
 from mlxfast.engine.api import Request, SamplingParams
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
-from mlxfast.generate import stream_generate
+from mlxfast.generation import stream_generate
 
 pytestmark = pytest.mark.slow
 
