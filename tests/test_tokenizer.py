@@ -14,7 +14,7 @@ import pytest
 
 from mlxfast.text import Tokenizer
 
-llama_cpp = pytest.importorskip("llama_cpp")  # test extra; see pyproject [test]
+import llama_cpp  # test extra; see pyproject [test]
 
 
 def default_gguf() -> Path:
@@ -162,7 +162,7 @@ def test_hf_json_is_loadable(tok):
 
 
 def _assert_same_as_auto_tokenizer(tok: Tokenizer, out: Path, texts):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     reloaded = Tokenizer.from_dir(out)
     auto = transformers.AutoTokenizer.from_pretrained(str(out))
     assert reloaded.bos_token_id == tok.bos_token_id
@@ -187,7 +187,7 @@ def test_save_hf_round_trip(tok, tmp_path):
 
 
 def test_save_hf_loads_in_mlx_lm(tok, tmp_path):
-    tokenizer_utils = pytest.importorskip("mlx_lm.tokenizer_utils")
+    import mlx_lm.tokenizer_utils as tokenizer_utils
     tok.save_hf(tmp_path)
     wrapped = tokenizer_utils.load(tmp_path)
     assert 2 in wrapped.eos_token_ids
@@ -243,8 +243,8 @@ SPM_SPECIAL = [
 
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
-    gguf = pytest.importorskip("gguf")
+    import sentencepiece as spm
+    import gguf
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(SPM_TRAIN), model_writer=buf, model_type="bpe", vocab_size=420,
@@ -368,7 +368,7 @@ PRE_VALUES = [
 
 
 def _write_relabelled_gguf(meta, pre: str, path: Path) -> None:
-    gguf = pytest.importorskip("gguf")
+    import gguf
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(256)
     w.add_embedding_length(64)
