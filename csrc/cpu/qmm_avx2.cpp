@@ -79,16 +79,19 @@ struct GemvCtx {
   int64_t G, row_bytes;
 };
 
+// Writes the scale * q . x part of y[m0 + m][n + r] to yb[m * 16 + r]; the
+// bias part is added per 16-row block in gemv_finish. Per-group partial dot
+// products are rescaled into two alternating accumulators (2*R*MM chains).
 template <int BITS, int MM, int R>
 inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
-                      const float* bi) {
+                      float* yb) {
   const Args& a = *c.a;
   const int64_t K = a.K, G = c.G, gs = a.group_size;
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(a.w) + n * c.row_bytes;
   const float* xp = c.xp + m0 * K;
-  __m256 acc[R][MM];
+  __m256 acc[R][MM], acc2[R][MM];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MM; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MM; ++m) acc[r][m] = acc2[r][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256 ga[R][MM];
     for (int r = 0; r < R; ++r)
@@ -99,29 +102,51 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
         unpack32<BITS>(w0 + r * c.row_bytes, k0, v);
         for (int m = 0; m < MM; ++m) {
           const float* x = xp + m * K + k0;
-          for (int i = 0; i < 4; ++i) {
-            ga[r][m] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(x + 8 * i), ga[r][m]);
-          }
+          __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+          t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), t);
+          __m256 u = _mm256_mul_ps(v[2], _mm256_loadu_ps(x + 16));
+          u = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), u);
+          ga[r][m] = _mm256_add_ps(ga[r][m], _mm256_add_ps(t, u));
         }
       }
     }
     for (int r = 0; r < R; ++r) {
       __m256 s = _mm256_set1_ps(sc[r * G + g]);
-      for (int m = 0; m < MM; ++m) acc[r][m] = _mm256_fmadd_ps(ga[r][m], s, acc[r][m]);
+      for (int m = 0; m < MM; ++m) {
+        if (g & 1) {
+          acc2[r][m] = _mm256_fmadd_ps(ga[r][m], s, acc2[r][m]);
+        } else {
+          acc[r][m] = _mm256_fmadd_ps(ga[r][m], s, acc[r][m]);
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < MM; ++m) {
-      const float* xs = c.xs + (m0 + m) * G;
+      yb[m * kGemvRowBlock + r] = hsum(_mm256_add_ps(acc[r][m], acc2[r][m]));
+    }
+  }
+}
+
+// out[m0 + m][n0 .. n1) = yb[m][.] + sum_g bias[n][g] * xsum[m][g].
+void gemv_finish(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
+                 const float* bi, float* yb) {
+  const Args& a = *c.a;
+  const int64_t G = c.G;
+  const int64_t rows = n1 - n0;
+  for (int m = 0; m < mm; ++m) {
+    const float* xs = c.xs + (m0 + m) * G;
+    float* y = yb + m * kGemvRowBlock;
+    for (int64_t r = 0; r < rows; ++r) {
       const float* b = bi + r * G;
       __m256 bacc = _mm256_setzero_ps();
       int64_t g = 0;
       for (; g + 8 <= G; g += 8) {
         bacc = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xs + g), bacc);
       }
-      float y = hsum(acc[r][m]) + hsum(bacc);
-      for (; g < G; ++g) y += b[g] * xs[g];
-      store_f32(a.out, a.x_dtype, (m0 + m) * a.N + n + r, y);
+      float v = y[r] + hsum(bacc);
+      for (; g < G; ++g) v += b[g] * xs[g];
+      store_f32(a.out, a.x_dtype, (m0 + m) * a.N + n0 + r, v);
     }
   }
 }
@@ -131,11 +156,13 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
                const float* bi) {
   constexpr int R = MM == 1 ? 4 : (MM == 2 ? 2 : 1);
   const int64_t G = c.G;
+  alignas(32) float yb[kGemvMaxMM * kGemvRowBlock];
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G);
+    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
   }
-  for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G);
+  for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
+  gemv_finish(c, m0, MM, n0, n1, bi, yb);
 }
 
 template <int BITS>
