@@ -15,6 +15,7 @@ namespace {
 thread_local Scratch tl_x;
 thread_local Scratch tl_w;
 thread_local Scratch tl_t;
+thread_local Scratch tl_c;
 
 inline void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
   int64_t i = 0;
@@ -230,40 +231,101 @@ void gemv(const Args& a) {
 
 constexpr int kMR = 6;
 constexpr int kNR = 16;
+constexpr int64_t kKC = 256;
+constexpr int64_t kABlockBytes = 768 << 10;  // packed activation rows kept in L2
 
+// In-register transpose of 16 rows of 16 bytes: t[b][j] = r[j][b].
+inline void transpose16x16_u8(const __m128i r[16], __m128i t[16]) {
+  __m128i a[16], c[16], d[16];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);      // rows 2i,2i+1; b 0..7
+    a[8 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);  // b 8..15
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) {
+      c[8 * h + i] = _mm_unpacklo_epi16(a[8 * h + 2 * i], a[8 * h + 2 * i + 1]);
+      c[8 * h + 4 + i] = _mm_unpackhi_epi16(a[8 * h + 2 * i], a[8 * h + 2 * i + 1]);
+    }
+  }
+  for (int q = 0; q < 4; ++q) {
+    for (int i = 0; i < 2; ++i) {
+      d[4 * q + i] = _mm_unpacklo_epi32(c[4 * q + 2 * i], c[4 * q + 2 * i + 1]);
+      d[4 * q + 2 + i] = _mm_unpackhi_epi32(c[4 * q + 2 * i], c[4 * q + 2 * i + 1]);
+    }
+  }
+  for (int e = 0; e < 8; ++e) {
+    t[2 * e] = _mm_unpacklo_epi64(d[2 * e], d[2 * e + 1]);
+    t[2 * e + 1] = _mm_unpackhi_epi64(d[2 * e], d[2 * e + 1]);
+  }
+}
+
+// Scales and biases of weight rows n0..n0+15 as fp32 [16][G] each (0 past N).
+void load_sb(const Args& a, int64_t n0, float* sb) {
+  const int64_t G = a.K / a.group_size;
+  const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
+  cvt_row(a.scales, a.s_dtype, n0 * G, ncols * G, sb);
+  cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, sb + kNR * G);
+  if (ncols < kNR) {
+    std::memset(sb + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
+    std::memset(sb + kNR * G + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
+  }
+}
+
+// Dequantize weight rows n0..n0+15, k in [kb, ke) (group-aligned), into
+// bp[k - kb][16] (fp32; rows >= N are 0). The packed bytes of one chunk of
+// the 16 rows are transposed in registers so that each zero-extended vector
+// holds one k across 8 columns.
 template <int BITS>
-void dequant_panel(const Args& a, int64_t n0, float* bp) {
+void dequant_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float* bp,
+                   const float* sb) {
   const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
   const int64_t row_bytes = K * BITS / 8;
   const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
-  if (ncols < kNR) std::memset(bp, 0, sizeof(float) * K * kNR);
-  alignas(32) float t[32];
-  for (int64_t j = 0; j < ncols; ++j) {
-    const int64_t n = n0 + j;
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 s = _mm256_set1_ps(load_f32(a.scales, a.s_dtype, n * G + g));
-      __m256 b = _mm256_set1_ps(load_f32(a.biases, a.s_dtype, n * G + g));
-      for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
-        __m256 v[4];
-        unpack32<BITS>(row, k0, v);
-        for (int i = 0; i < 4; ++i) _mm256_store_ps(t + 8 * i, _mm256_fmadd_ps(v[i], s, b));
-        float* base = bp + k0 * kNR + j;
+  const float* scf = sb;
+  const float* bif = sb + kNR * G;
+  const __m256i m4 = _mm256_set1_epi32(0xf);
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w);
+  alignas(32) float st[4][8];
+  for (int64_t g = kb / gs; g < ke / gs; ++g) {
+    for (int j = 0; j < 8; ++j) {
+      st[0][j] = scf[j * G + g];
+      st[1][j] = scf[(j + 8) * G + g];
+      st[2][j] = bif[j * G + g];
+      st[3][j] = bif[(j + 8) * G + g];
+    }
+    const __m256 s0 = _mm256_load_ps(st[0]), s1 = _mm256_load_ps(st[1]);
+    const __m256 b0 = _mm256_load_ps(st[2]), b1 = _mm256_load_ps(st[3]);
+    for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
+      __m128i r[16], t[16];
+      const int64_t off = BITS == 4 ? (k0 >> 1) : k0;
+      for (int j = 0; j < 16; ++j) {
+        r[j] = (j < ncols) ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                 w + (n0 + j) * row_bytes + off))
+                           : _mm_setzero_si128();
+      }
+      transpose16x16_u8(r, t);
+      float* dst = bp + (k0 - kb) * kNR;
+      for (int i = 0; i < 16; ++i) {
+        __m256i z0 = _mm256_cvtepu8_epi32(t[i]);                        // columns 0..7
+        __m256i z1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(t[i], t[i]));  // 8..15
         if (BITS == 4) {
-          for (int h = 0; h < 2; ++h) {
-            for (int i = 0; i < 8; ++i) {
-              base[(16 * h + 2 * i) * kNR] = t[16 * h + i];
-              base[(16 * h + 2 * i + 1) * kNR] = t[16 * h + 8 + i];
-            }
-          }
+          float* d0 = dst + (2 * i) * kNR;
+          float* d1 = dst + (2 * i + 1) * kNR;
+          _mm256_storeu_ps(d0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(z0, m4)), s0, b0));
+          _mm256_storeu_ps(d0 + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(z1, m4)), s1, b1));
+          _mm256_storeu_ps(d1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(z0, 4)), s0, b0));
+          _mm256_storeu_ps(d1 + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(z1, 4)), s1, b1));
         } else {
-          for (int i = 0; i < 32; ++i) base[i * kNR] = t[i];
+          float* d0 = dst + i * kNR;
+          _mm256_storeu_ps(d0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(z0), s0, b0));
+          _mm256_storeu_ps(d0 + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(z1), s1, b1));
         }
       }
     }
   }
 }
 
+// Pack rows p*6 .. p*6+5 of x as ap[K][6] fp32 (missing rows are 0).
 void pack_a(const Args& a, int64_t p, float* ap, float* tmp) {
   const int64_t K = a.K;
   for (int r = 0; r < kMR; ++r) {
@@ -277,17 +339,27 @@ void pack_a(const Args& a, int64_t p, float* ap, float* tmp) {
   }
 }
 
-void micro_6x16(const float* ap, const float* bp, int64_t K, const Args& a, int64_t m0,
-                int64_t n0, int mr, int64_t nc) {
+// C[6][16] (+)= ap[kc][6]^T . bp[kc][16]; partial sums in cs[6][16] between
+// k blocks; the last block writes rows < mr, columns < nc of the output.
+void micro_6x16(const float* ap, const float* bp, int64_t kc, float* cs, bool first,
+                bool last, const Args& a, int64_t m0, int64_t n0, int mr, int64_t nc) {
   __m256 c0[kMR], c1[kMR];
+  if (first) {
 #pragma GCC unroll 6
-  for (int r = 0; r < kMR; ++r) {
-    c0[r] = _mm256_setzero_ps();
-    c1[r] = _mm256_setzero_ps();
+    for (int r = 0; r < kMR; ++r) {
+      c0[r] = _mm256_setzero_ps();
+      c1[r] = _mm256_setzero_ps();
+    }
+  } else {
+#pragma GCC unroll 6
+    for (int r = 0; r < kMR; ++r) {
+      c0[r] = _mm256_load_ps(cs + r * kNR);
+      c1[r] = _mm256_load_ps(cs + r * kNR + 8);
+    }
   }
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 b0 = _mm256_loadu_ps(bp);
-    __m256 b1 = _mm256_loadu_ps(bp + 8);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 b0 = _mm256_load_ps(bp);
+    __m256 b1 = _mm256_load_ps(bp + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < kMR; ++r) {
       __m256 x = _mm256_broadcast_ss(ap + r);
@@ -296,6 +368,14 @@ void micro_6x16(const float* ap, const float* bp, int64_t K, const Args& a, int6
     }
     ap += kMR;
     bp += kNR;
+  }
+  if (!last) {
+#pragma GCC unroll 6
+    for (int r = 0; r < kMR; ++r) {
+      _mm256_store_ps(cs + r * kNR, c0[r]);
+      _mm256_store_ps(cs + r * kNR + 8, c1[r]);
+    }
+    return;
   }
   const int64_t N = a.N;
   if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
@@ -326,20 +406,34 @@ void gemm(const Args& a) {
   };
   par(P, 8, pack);
   const int64_t NB = ceil_div(N, kNR);
-  auto body = [pa, ap, K, M, N, P](int64_t b0, int64_t b1) {
+  const int64_t kc_max = (kKC / a.group_size) * a.group_size;
+  const int64_t pc = kABlockBytes / (K * kMR * 4) > 1 ? kABlockBytes / (K * kMR * 4) : 1;
+  auto body = [pa, ap, K, M, N, P, kc_max, pc](int64_t b0, int64_t b1) {
     const Args& a = *pa;
-    float* bp = tl_w.get(static_cast<size_t>(K * kNR));
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      int64_t n0 = nb * kNR;
-      if (a.bits == 4) {
-        dequant_panel<4>(a, n0, bp);
-      } else {
-        dequant_panel<8>(a, n0, bp);
-      }
-      int64_t nc = N - n0 < kNR ? N - n0 : kNR;
-      for (int64_t p = 0; p < P; ++p) {
-        int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
-        micro_6x16(ap + p * K * kMR, bp, K, a, p * kMR, n0, mr, nc);
+    const int64_t G = K / a.group_size;
+    float* bp = tl_w.get(static_cast<size_t>(kc_max * kNR));
+    float* sb = tl_t.get(static_cast<size_t>(2 * kNR * G));
+    float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * kMR * kNR)) : nullptr;
+    for (int64_t pb = 0; pb < P; pb += pc) {
+      const int64_t pe = pb + pc < P ? pb + pc : P;
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        const int64_t n0 = nb * kNR;
+        const int64_t nc = N - n0 < kNR ? N - n0 : kNR;
+        load_sb(a, n0, sb);
+        for (int64_t kb = 0; kb < K; kb += kc_max) {
+          const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
+          if (a.bits == 4) {
+            dequant_panel<4>(a, n0, kb, ke, bp, sb);
+          } else {
+            dequant_panel<8>(a, n0, kb, ke, bp, sb);
+          }
+          for (int64_t p = pb; p < pe; ++p) {
+            int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
+            micro_6x16(ap + p * K * kMR + kb * kMR, bp, ke - kb,
+                       cs ? cs + p * kMR * kNR : nullptr, kb == 0, ke == K, a, p * kMR,
+                       n0, mr, nc);
+          }
+        }
       }
     }
   };
