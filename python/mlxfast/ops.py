@@ -231,3 +231,17 @@ def paged_attention(
                                     scale, block_size, stream=stream)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_idx, positions,
                                      scale=scale, block_size=block_size)
+
+
+# --- quantized KV (affine q8/q4, TurboQuant): see ops_kvquant.py ------------
+
+from .ops_kvquant import (  # noqa: E402,F401
+    KVQuantFormat,
+    has_native_kv_quant,
+    kv_quant_dequant,
+    kv_quant_dequant_reference,
+    kv_quant_encode,
+    kv_quant_encode_reference,
+    kv_quant_paged_attention,
+    kv_quant_paged_attention_reference,
+)

@@ -16,6 +16,10 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides kv_cache_gb when set
     kv_cache_gb: float = 1.0  # pool size (K + V, all layers)
     kv_dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = model dtype
+    # KV scheme: "off" (dense kv_dtype) | "8" | "4" (affine groups) | "turbo" (= "turbo:k8v3")
+    # | "turbo:k<4|8>v<2|3|4>" (TurboQuant values); see kv/schemes.py
+    kv_quant: str = "off"
+    kv_group_size: int = 64  # affine group size along head_dim (64 or 32)
     max_model_len: int | None = None  # None: model max_position_embeddings, capped by the pool
     enable_prefix_cache: bool = True
     model_fingerprint: str = ""  # prefix-cache namespace; "" = derived from the model config

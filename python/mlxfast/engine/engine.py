@@ -23,6 +23,7 @@ import traceback
 from collections import deque
 
 from ..kv.block_pool import BlockAllocator, KVPool, kv_dtype
+from ..kv.schemes import parse_kv_quant
 from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent
 from .config import EngineConfig
 from .output import OutputProcessor
@@ -119,14 +120,17 @@ class Engine:
         args = model.args
         self.kv_dtype = kv_dtype(cfg.kv_dtype) if cfg.kv_dtype else model.dtype
         self.block_size = bs = cfg.block_size
-        per_block = KVPool.bytes_per_block(args.num_hidden_layers, bs, args.num_key_value_heads,
-                                           args.head_dim, self.kv_dtype)
+        self.kv_spec = parse_kv_quant(cfg.kv_quant, head_dim=args.head_dim, dtype=self.kv_dtype,
+                                      group_size=cfg.kv_group_size)
+        self.kv_bytes_per_token = self.kv_spec.bytes_per_token(args.num_hidden_layers,
+                                                               args.num_key_value_heads)
+        per_block = bs * self.kv_bytes_per_token
         self.num_blocks = cfg.num_blocks or max(2, int(cfg.kv_cache_gb * (1 << 30)) // per_block)
         limit = cfg.max_model_len or getattr(args, "max_position_embeddings", None) or 4096
         self.max_model_len = min(limit, self.num_blocks * bs)
         fingerprint = cfg.model_fingerprint or hashlib.blake2b(
             repr(args).encode(), digest_size=8).hexdigest()
-        self._namespace = f"{fingerprint}|dense-{self.kv_dtype}|bs{bs}"
+        self._namespace = f"{fingerprint}|{self.kv_spec.scheme_id}|bs{bs}"
         self.allocator = BlockAllocator(self.num_blocks, bs, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -219,6 +223,8 @@ class Engine:
             "free_blocks": a.num_free,
             "total_blocks": a.num_blocks,
             "block_size": self.block_size,
+            "kv_scheme": self.kv_spec.scheme_id,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
             "time_to_first_token_seconds": self.ttft.snapshot(),
@@ -231,7 +237,7 @@ class Engine:
         try:
             self.pool = KVPool(self.model.args.num_hidden_layers, self.num_blocks, self.block_size,
                                self.model.args.num_key_value_heads, self.model.args.head_dim,
-                               self.kv_dtype)
+                               self.kv_dtype, kv_quant=self.kv_spec)
             self.runner = Runner(self.model, self.pool, native=self.config.native_attention)
         except BaseException as e:  # noqa: BLE001
             self._die(e)

@@ -164,11 +164,20 @@ def kv_dtype(name_or_dtype):
 
 
 class KVPool:
-    """Per-layer K and V block storage in MLX arrays (dense fp32/fp16/bf16)."""
+    """Per-layer block storage in MLX arrays, in the format of a KV scheme.
+
+    The scheme (``kv/schemes.py``: dense fp32/fp16/bf16, affine q8/q4,
+    TurboQuant) owns the arrays, the writes and the attention. Every storage
+    array has leading dimension ``num_blocks * block_size`` (slot-major) and
+    ``arrays()`` lists them all in a fixed order, so a block's bytes are rows
+    ``[b*bs, (b+1)*bs)`` of each array. ``scheme_id`` names the format
+    (``f32``, ``q8g64``, ``turbo-k8v3-s0`` ...) for cache namespaces.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
-                 n_kv_heads: int, head_dim: int, dtype="float32"):
-        import mlx.core as mx
+                 n_kv_heads: int, head_dim: int, dtype="float32", kv_quant="off",
+                 group_size: int = 64, seed: int = 0):
+        from .schemes import KVSchemeSpec, parse_kv_quant
 
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -176,26 +185,42 @@ class KVPool:
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.dtype = kv_dtype(dtype)
-        shape = (num_blocks * block_size, n_kv_heads, head_dim)
-        self.keys = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
-        mx.eval(self.keys, self.values)
+        self.spec = kv_quant if isinstance(kv_quant, KVSchemeSpec) else parse_kv_quant(
+            kv_quant, head_dim=head_dim, dtype=self.dtype, group_size=group_size, seed=seed)
+        self.scheme = self.spec.create(num_layers, num_blocks * block_size, n_kv_heads)
+
+    @property
+    def scheme_id(self) -> str:
+        return self.spec.scheme_id
+
+    @property
+    def keys(self):  # dense schemes only
+        return self.scheme.keys
+
+    @property
+    def values(self):  # dense schemes only
+        return self.scheme.values
 
     @staticmethod
-    def bytes_per_block(num_layers, block_size, n_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * n_kv_heads * head_dim * kv_dtype(dtype).size
+    def bytes_per_block(num_layers, block_size, n_kv_heads, head_dim, dtype, kv_quant="off",
+                        group_size: int = 64) -> int:
+        from .schemes import parse_kv_quant
+
+        spec = parse_kv_quant(kv_quant, head_dim=head_dim, dtype=kv_dtype(dtype),
+                              group_size=group_size)
+        return block_size * spec.bytes_per_token(num_layers, n_kv_heads)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.spec.bytes_per_token(self.num_layers, self.n_kv_heads)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys + self.values)
+        return sum(a.nbytes for a in self.arrays())
 
     def write(self, layer: int, slots, k, v) -> None:
         """Store k/v ``[T, n_kv_heads, head_dim]`` at flat ``slots [T]`` (in place)."""
-        # __setitem__ rebinds the Python object to the scatter's output; the
-        # previous array is then referenced only by the graph, so the scatter
-        # may reuse its buffer.
-        self.keys[layer][slots] = k
-        self.values[layer][slots] = v
+        self.scheme.write(layer, slots, k, v)
 
     def arrays(self):
-        return self.keys + self.values
+        return self.scheme.arrays()

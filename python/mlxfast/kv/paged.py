@@ -8,12 +8,15 @@ token over its own sequence's KV up to and including its own position, which
 makes causality fall out of the positions.
 
 Every index array is built once per step on the host (numpy) and reused by
-all layers. Two attention paths:
+all layers. The pool's KV scheme (``kv/schemes.py``) stores K/V and attends,
+along one of two paths:
 
-* native (CPU): ``ops.paged_attention`` — one primitive per layer walking the
-  block tables directly.
+* native (CPU): the scheme's paged kernel (``ops.paged_attention`` for dense
+  KV, ``ops.kv_quant_paged_attention`` for packed KV) — one primitive per
+  layer walking the block tables directly.
 * reference (any backend): gather each sequence's blocks into contiguous K/V
-  and run ``mx.fast.scaled_dot_product_attention`` with a boolean mask,
+  (dequantized by the scheme) and run
+  ``mx.fast.scaled_dot_product_attention`` with a boolean mask,
   batching sequences of the same kind together (all decode rows in one
   call, all prefill chunks in another) so the op count per layer is fixed,
   not per token.
@@ -128,25 +131,23 @@ class PagedContext:
             raise ValueError(f"paged attention expects [{self.T}, H, 1, D] rows, got {q.shape}")
         Hkv = k.shape[1]
         pool = self.pool
-        pool.write(layer, self.slots, k.reshape(T, Hkv, D), v.reshape(T, Hkv, v.shape[-1]))
-        kp, vp = pool.keys[layer], pool.values[layer]
+        scheme = pool.scheme
+        scheme.write(layer, self.slots, k.reshape(T, Hkv, D), v.reshape(T, Hkv, v.shape[-1]))
         q = q.reshape(T, Hq, D)
         if self.native:
-            out = ops.paged_attention(q, kp, vp, self.block_tables, self.seq_idx, self.offsets,
-                                      scale=scale, block_size=pool.block_size)
+            out = scheme.paged_attention(layer, q, self.block_tables, self.seq_idx, self.offsets,
+                                         scale=scale, block_size=pool.block_size)
         else:
-            out = self._reference(q, kp, vp, scale)
+            out = self._reference(q, scheme, layer, scale)
         return out.reshape(T, Hq, 1, -1)
 
-    def _reference(self, q, kp, vp, scale):
+    def _reference(self, q, scheme, layer, scale):
         T, Hq, D = q.shape
         outs = []
         for g in self.groups:
             qg = q[g.q_idx].transpose(0, 2, 1, 3)  # [S, Hq, Q, D]
-            kg = kp[g.kv_idx].transpose(0, 2, 1, 3)  # [S, Hkv, L, D]
-            vg = vp[g.kv_idx].transpose(0, 2, 1, 3)
-            if kg.dtype != q.dtype:
-                kg, vg = kg.astype(q.dtype), vg.astype(q.dtype)
+            kg, vg = scheme.gather(layer, g.kv_idx, q.dtype)  # [S, L, Hkv, D]
+            kg, vg = kg.transpose(0, 2, 1, 3), vg.transpose(0, 2, 1, 3)
             o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=scale, mask=g.mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(g.S * g.Q, Hq, -1))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -1,0 +1,163 @@
+"""KV storage schemes of the block pool: dense, affine q8/q4, TurboQuant.
+
+Attention belongs to the scheme: a scheme owns its per-layer storage arrays,
+writes new K/V into slots and runs attention over block tables; the
+``PagedContext`` delegates to it and the model never branches.
+
+* ``dense``  — per layer K and V ``[num_slots, Hkv, D]`` in fp32/fp16/bf16
+  (the native ``paged_attention`` kernel).
+* ``q8`` / ``q4`` — affine groups along head_dim for keys and values (fp16
+  scale + bias per group of ``group_size``, default 64).
+* ``turbo-k<kb>v<vb>`` — keys affine ``kb`` bits; values rotated by a seeded
+  randomized Walsh-Hadamard transform (per layer), normalised, coded with a
+  ``vb``-bit Lloyd-Max codebook, norm kept (norm-corrected).
+
+Quantized schemes keep one ``uint8`` array per layer, ``[num_slots, Hkv,
+row_bytes]`` (K part | V part, see :mod:`mlxfast.ops_kvquant`), written with
+one encode + one scatter per layer and read by one fused attention kernel.
+
+Contract (SSD tier): every storage array has leading dimension
+``num_blocks * block_size`` (slot-major) and ``arrays()`` lists all of them
+in a fixed order, so block ``b``'s bytes are rows ``[b*bs, (b+1)*bs)`` of each
+array; ``scheme_id`` names the storage format for cache namespaces.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import ops_kvquant as kq
+from ..ops_kvquant import KVQuantFormat
+
+_DTYPE_IDS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class KVSchemeSpec:
+    """What a scheme stores (no arrays): sizing, ids, and ``create`` for storage."""
+
+    kind: str  # "dense" | "affine" | "turbo"
+    dtype: object  # mx.Dtype of dense storage / dequantized output
+    head_dim: int
+    fmt: KVQuantFormat | None = None
+    seed: int = 0
+
+    @property
+    def scheme_id(self) -> str:
+        if self.kind == "dense":
+            return _DTYPE_IDS[str(self.dtype).split(".")[-1]]
+        f = self.fmt
+        g = "" if f.group_size == 64 else f"g{f.group_size}"
+        if self.kind == "affine":
+            return f"q{f.k_bits}g{f.group_size}"
+        return f"turbo-k{f.k_bits}v{f.v_bits}{g}-s{self.seed}"
+
+    def bytes_per_token(self, num_layers: int, n_kv_heads: int) -> int:
+        """True bytes of K+V for one token over all layers (scales and norms included)."""
+        if self.kind == "dense":
+            return 2 * num_layers * n_kv_heads * self.head_dim * self.dtype.size
+        return num_layers * n_kv_heads * self.fmt.row_bytes
+
+    def create(self, num_layers: int, num_slots: int, n_kv_heads: int) -> "KVScheme":
+        if self.kind == "dense":
+            return DenseScheme(self, num_layers, num_slots, n_kv_heads)
+        return QuantScheme(self, num_layers, num_slots, n_kv_heads)
+
+
+def parse_kv_quant(kv_quant: str | None, *, head_dim: int, dtype=mx.float32,
+                   group_size: int = 64, seed: int = 0) -> KVSchemeSpec:
+    """``off`` | ``8`` | ``4`` | ``turbo`` (= k8v3) | ``turbo:k<4|8>v<2|3|4>`` -> spec."""
+    q = "off" if kv_quant in (None, "") else str(kv_quant).strip().lower()
+    if q in ("off", "none", "dense", "fp", "0"):
+        return KVSchemeSpec("dense", dtype, head_dim)
+    if q in ("8", "4", "q8", "q4"):
+        bits = int(q[-1])
+        return KVSchemeSpec("affine", dtype, head_dim,
+                            KVQuantFormat(head_dim, bits, bits, group_size, False))
+    m = re.fullmatch(r"turbo(?::k(\d+)v(\d+))?", q)
+    if m:
+        kb, vb = (int(m.group(1)), int(m.group(2))) if m.group(1) else (8, 3)
+        return KVSchemeSpec("turbo", dtype, head_dim,
+                            KVQuantFormat(head_dim, kb, vb, group_size, True), seed)
+    raise ValueError(f"unknown kv_quant {kv_quant!r} (off, 8, 4, turbo, turbo:k<4|8>v<2|3|4>)")
+
+
+class KVScheme:
+    spec: KVSchemeSpec
+
+    @property
+    def scheme_id(self) -> str:
+        return self.spec.scheme_id
+
+    def arrays(self) -> list[mx.array]:
+        raise NotImplementedError
+
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        raise NotImplementedError
+
+    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
+        raise NotImplementedError
+
+    def gather(self, layer: int, idx: mx.array, dtype) -> tuple[mx.array, mx.array]:
+        """Dense K, V of slots ``idx`` (any shape) -> [*idx.shape, Hkv, D] (reference path)."""
+        raise NotImplementedError
+
+
+class DenseScheme(KVScheme):
+    def __init__(self, spec: KVSchemeSpec, num_layers: int, num_slots: int, n_kv_heads: int):
+        from .. import ops
+
+        self._ops = ops
+        self.spec = spec
+        shape = (num_slots, n_kv_heads, spec.head_dim)
+        self.keys = [mx.zeros(shape, spec.dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, spec.dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+
+    def arrays(self):
+        return self.keys + self.values
+
+    def write(self, layer, slots, k, v):
+        # __setitem__ rebinds the list entry to the scatter's output; the
+        # previous array is then referenced only by the graph, so the scatter
+        # may reuse its buffer.
+        self.keys[layer][slots] = k
+        self.values[layer][slots] = v
+
+    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
+        return self._ops.paged_attention(q, self.keys[layer], self.values[layer], block_tables,
+                                         seq_idx, positions, scale=scale, block_size=block_size)
+
+    def gather(self, layer, idx, dtype):
+        k, v = self.keys[layer][idx], self.values[layer][idx]
+        if k.dtype != dtype:
+            k, v = k.astype(dtype), v.astype(dtype)
+        return k, v
+
+
+class QuantScheme(KVScheme):
+    def __init__(self, spec: KVSchemeSpec, num_layers: int, num_slots: int, n_kv_heads: int):
+        self.spec = spec
+        self.fmt = fmt = spec.fmt
+        self.data = [mx.zeros((num_slots, n_kv_heads, fmt.row_bytes), mx.uint8)
+                     for _ in range(num_layers)]
+        self.signs = [mx.array(kq.rotation_signs(spec.seed, layer, fmt.head_dim))
+                      if fmt.v_turbo else None for layer in range(num_layers)]
+        mx.eval(self.data, [s for s in self.signs if s is not None])
+
+    def arrays(self):
+        return list(self.data)
+
+    def write(self, layer, slots, k, v):
+        self.data[layer][slots] = kq.kv_quant_encode(k, v, self.fmt, self.signs[layer])
+
+    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
+        return kq.kv_quant_paged_attention(q, self.data[layer], block_tables, seq_idx, positions,
+                                           scale=scale, block_size=block_size, fmt=self.fmt,
+                                           signs=self.signs[layer])
+
+    def gather(self, layer, idx, dtype):
+        return kq.kv_quant_dequant(self.data[layer][idx], self.fmt, self.signs[layer], dtype)
