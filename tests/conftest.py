@@ -123,6 +123,7 @@ class FakeEngine:
         self.requests: list = []
         self.fail_submit: Exception | None = None
         self.fail_midway: str | None = None
+        self.delay = 0.0  # seconds before each token
 
     def stats(self):
         return {"kv_cache_usage_perc": 0.25, "num_requests_running": 0, "num_requests_waiting": 0}
@@ -158,7 +159,7 @@ class FakeEngine:
         detok = self.tok.detokenizer()
         n = 0
         for i in ids[: p.max_tokens]:
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.delay)
             n += 1
             if self.fail_midway and n == 3:
                 yield FinishEvent("error", error=self.fail_midway, prompt_tokens=len(request.prompt_ids),

@@ -288,3 +288,16 @@ def test_constrained_output_turns_thinking_off(fake_client):
     r = c.post("/v1/messages", json={"model": "m", "max_tokens": 20, "messages": USER, "tools": A_TOOLS,
                                      "tool_choice": {"type": "any"}})
     assert dec(eng.requests[-1].prompt_ids).endswith("<think>\n\n</think>\n\n")
+
+
+def test_anthropic_pings_while_waiting_and_openai_nonstream_survives_silence(fake_client):
+    c, eng = fake_client("slow answer", heartbeat_s=0.05, disconnect_poll_s=0.05)
+    eng.delay = 0.2
+    r = c.post("/v1/messages", json={"model": "m", "max_tokens": 9, "messages": USER, "stream": True})
+    names = [e for e, _ in sse_named(r.text)]
+    assert names.count("ping") >= 3  # the first one, then during each 0.2 s silence
+    text = "".join(d["delta"]["text"] for e, d in sse_named(r.text)
+                   if e == "content_block_delta" and d["delta"]["type"] == "text_delta")
+    assert text == "slow answer" and names[-1] == "message_stop"
+    r = c.post("/v1/chat/completions", json={"messages": USER})
+    assert r.json()["choices"][0]["message"]["content"] == "slow answer"
