@@ -120,8 +120,18 @@ def test_batched_and_non_contiguous(path):
     check(x, wq, s, b, 32, 4)
     xt = mx.random.normal((128, 6)).T  # non-contiguous [6, 128]
     check(xt, wq, s, b, 32, 4)
-    xs = mx.random.normal((4, 20, 128))[:, ::2]  # strided [4, 10, 128]
+    xs = mx.random.normal((4, 20, 128))[:, 1::2]  # strided, offset [4, 10, 128]
     check(xs, wq, s, b, 32, 4)
+    xb = mx.broadcast_to(mx.random.normal((1, 128)), (5, 128))  # stride 0
+    check(xb, wq, s, b, 32, 4)
+    xe = mx.random.normal((3, 256))[:, 64:192]  # evaluated view with an offset
+    mx.eval(xe)
+    check(xe.astype(mx.float16), wq, s, b, 32, 4)
+    check(xe, wq, s, b, 32, 4)
+    # non-contiguous weights are made dense by the op
+    w2 = mx.concatenate([wq, wq], axis=1)[:, : wq.shape[1]]
+    check(mx.random.normal((2, 128)), w2, s, b, 32, 4)
+    check(mx.random.normal((2, 128)), wq, s.T.T, b[::1], 32, 4)
 
 
 def test_group_boundary_extremes(path):
