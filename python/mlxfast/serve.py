@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences decoded together (EngineConfig.max_num_seqs)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens")
+    p.add_argument("--kv-quant", default=None, help="KV cache scheme: off | 8 | 4 | turbo | turbo:k8v3 (EngineConfig.kv_quant)")
     p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens when a request omits it")
     p.add_argument("--temp", type=float, default=None, help="default temperature when a request omits it")
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
@@ -69,7 +70,8 @@ def _bind(host: str, port: int) -> socket.socket:
 def _engine_config(args):
     from .engine.config import EngineConfig
 
-    wanted = {"max_num_seqs": args.max_batch, "kv_cache_gb": args.kv_cache_gb, "max_model_len": args.max_model_len}
+    wanted = {"max_num_seqs": args.max_batch, "kv_cache_gb": args.kv_cache_gb,
+              "max_model_len": args.max_model_len, "kv_quant": args.kv_quant}
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
 
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as e:  # report, then stop the server
             state.status = "failed"
             state.load_error = f"{type(e).__name__}: {e}"
-            print(f"mlxfast: error: could not load the model: {e}", file=sys.stderr, flush=True)
+            print(f"mlxfast: error: could not start the model: {e}", file=sys.stderr, flush=True)
             exit_code[0] = 1
             server.should_exit = True
 
