@@ -10,6 +10,7 @@
 #include "ops/quantized_matmul.h"
 #include "ops/silu_mul.h"
 #include "ops/paged_attention.h"
+#include "io/bind_io.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -41,4 +42,6 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "stream"_a = nb::none());
   m.def("paged_gather", &mlxfast::paged_gather, "pool"_a, "block_tables"_a, "block_size"_a,
         nb::kw_only(), "stream"_a = nb::none());
+
+  mlxfast::bind_io(m);  // SSD-tier I/O: csrc/io/
 }

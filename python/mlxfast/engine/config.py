@@ -25,3 +25,9 @@ class EngineConfig:
     model_fingerprint: str = ""  # prefix-cache namespace; "" = derived from the model config
     # Attention path: None = native kernel where available, else MLX reference
     native_attention: bool | None = None
+    # SSD tier of the prefix cache (kv/ssd.py); None = off
+    ssd_cache_dir: str | None = None
+    ssd_cache_max_gb: float = 32.0  # byte cap of the block files, oldest used evicted
+    ssd_demote_idle_s: float | None = None  # spill free cached blocks idle this long, free their RAM
+    ssd_cache_verify: bool = False  # check each block's data checksum on restore (header: always)
+    ssd_flush_timeout_s: float = 30.0  # on shutdown: wait this long for pending writes

@@ -139,6 +139,7 @@ class Engine:
         self._eos = frozenset(int(t) for t in eos)
         self.pool: KVPool | None = None
         self.runner: Runner | None = None
+        self.ssd = None  # kv/ssd.py SSDTier, opened on the engine thread
 
         self._cond = threading.Condition()
         self._incoming: deque = deque()
@@ -178,6 +179,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self.alive = False
+        if self.ssd is not None:  # wait for pending block writes, release the directory
+            self.ssd.close(self.config.ssd_flush_timeout_s)
 
     # -- public API (any thread) ---------------------------------------------
     def submit(self, request: Request) -> RequestStream:
@@ -205,14 +208,29 @@ class Engine:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def flush_cache(self, timeout: float = 30.0) -> dict:
+        """Write every cached block to the SSD tier and wait until it is durable
+        (any thread; blocks). ``durable`` is False on timeout or failed writes."""
+        ssd = self.ssd
+        if ssd is None:
+            return {"durable": True, "enabled": False}
+
+        def wake():
+            with self._cond:
+                self._cond.notify()
+
+        return ssd.flush(wake, timeout)
+
     def stats(self) -> dict:
         s = self.scheduler
         a = self.allocator
         return {
+            "ssd": self.ssd.stats() if self.ssd is not None else {"enabled": False},
             "alive": self.alive,
             "error": self.error,
             "num_requests_running": len(s.running),
-            "num_requests_waiting": len(s.waiting) + len(self._incoming),
+            "num_requests_waiting": len(s.waiting) + len(self._incoming)
+            + (len(self.ssd.restoring) if self.ssd is not None else 0),
             "num_requests_total": self.num_requests_total,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
@@ -239,6 +257,11 @@ class Engine:
                                self.model.args.num_key_value_heads, self.model.args.head_dim,
                                self.kv_dtype, kv_quant=self.kv_spec)
             self.runner = Runner(self.model, self.pool, native=self.config.native_attention)
+            if self.config.ssd_cache_dir:
+                from ..kv.ssd import open_tier
+
+                self.ssd = open_tier(self.config, self._namespace, self.pool, self.allocator,
+                                     self.model, self.tokenizer)
         except BaseException as e:  # noqa: BLE001
             self._die(e)
             self._ready.set()
@@ -248,8 +271,11 @@ class Engine:
             while True:
                 with self._cond:
                     while not (self._incoming or self._aborts or self._stopping
-                               or self.scheduler.has_work()):
-                        self._cond.wait()
+                               or self.scheduler.has_work() or (self.ssd is not None and self.ssd.has_work())):
+                        if self.ssd is None:
+                            self._cond.wait()
+                        elif not self._cond.wait(self.ssd.wait_timeout()):
+                            break  # timed out: the SSD tier has something due
                     incoming = list(self._incoming)
                     self._incoming.clear()
                     aborts = list(self._aborts)
@@ -262,8 +288,13 @@ class Engine:
                 if stopping:
                     for rid in list(self._states):
                         self._abort(rid)
+                    if self.ssd is not None:
+                        self.ssd.request_flush()  # write what is cached; shutdown() waits
+                        self.ssd.service(self.scheduler.add, busy=False)
                     self._flush()
                     return
+                if self.ssd is not None:
+                    self.ssd.service(self.scheduler.add, busy=self.scheduler.has_work())
                 if self.scheduler.has_work():
                     self._step()
                 self._flush()
@@ -317,7 +348,8 @@ class Engine:
         if seq.max_tokens <= 0:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
             return
-        self.scheduler.add(seq)
+        if self.ssd is None or not self.ssd.try_restore(seq):  # else: added once its blocks are read
+            self.scheduler.add(seq)
 
     def _abort(self, rid: str) -> None:
         st = self._states.get(rid)
@@ -328,6 +360,8 @@ class Engine:
             self.scheduler.finish(seq, "abort")
             st.events.append(self._finish_event(seq, "abort"))
         else:
+            if self.ssd is not None:
+                self.ssd.cancel(rid)  # it was waiting for a restore
             st.events.append(FinishEvent("abort", prompt_tokens=len(st.request.prompt_ids)))
 
     def _finish_event(self, seq: Seq, reason: str, text: str = "", error: str | None = None,
@@ -343,6 +377,9 @@ class Engine:
     def _step(self) -> None:
         sched = self.scheduler
         plan = sched.schedule()
+        if self.ssd is not None:
+            self.ssd.spill_evicted()  # copy evicted cached blocks out before this step overwrites them
+            self.ssd.release_holds()
         if not plan.rows:
             raise RuntimeError("scheduler produced an empty step with work pending")
         logits = self.runner.run(plan)

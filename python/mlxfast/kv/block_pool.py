@@ -25,6 +25,7 @@ namespace is model fingerprint + KV scheme + block size + the request's
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
 
@@ -65,6 +66,12 @@ class BlockAllocator:
         self.cached: dict[bytes, int] = {}  # hash -> block id
         # Blocks with refcount 0, front = evicted first. Values unused.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # SSD-tier hooks (kv/ssd.py): on_evict(block, hash) runs when a cached
+        # block is taken for new content (before anything overwrites it);
+        # on_register(block, hash) when a block joins the prefix cache.
+        self.on_evict = None
+        self.on_register = None
+        self.last_used = [0.0] * num_blocks  # monotonic time its refcount last fell to 0
 
     # -- queries -------------------------------------------------------------
     @property
@@ -90,6 +97,8 @@ class BlockAllocator:
             if h is not None:  # evict from the prefix cache
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self.on_evict is not None:
+                        self.on_evict(b, h)
                 self.hash_of[b] = None
             self.refcount[b] = 1
             out.append(b)
@@ -103,6 +112,7 @@ class BlockAllocator:
                 raise RuntimeError(f"block {b} freed more often than allocated")
             self.refcount[b] = rc
             if rc == 0:
+                self.last_used[b] = time.monotonic()
                 if self.hash_of[b] is None:
                     self.free_queue[b] = None
                     self.free_queue.move_to_end(b, last=False)  # worthless: evict first
@@ -134,6 +144,20 @@ class BlockAllocator:
             return  # an identical block is already cached; this one stays private
         self.hash_of[block] = h
         self.cached[h] = block
+        if self.on_register is not None:
+            self.on_register(block, h)
+
+    def uncache(self, block: int) -> bool:
+        """Drop a free block from the prefix cache (its content lives on elsewhere,
+        e.g. on SSD): it becomes a plain free block, evicted first."""
+        h = self.hash_of[block]
+        if h is None or self.refcount[block] != 0:
+            return False
+        if self.cached.get(h) == block:
+            del self.cached[h]
+        self.hash_of[block] = None
+        self.free_queue.move_to_end(block, last=False)
+        return True
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):

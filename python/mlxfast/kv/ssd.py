@@ -1,0 +1,562 @@
+"""The SSD tier of the prefix cache: the pool's KV blocks, on disk.
+
+Blocks are content-addressed by their chained block hash: one file
+``<hash hex>.kv`` per block in ``DIR/ns-<namespace hash>/``, where the
+namespace covers the model weights, the KV scheme and its tensor layout, the
+tokenizer and the block size. The file format (header with magic, version,
+namespace, token count, tensor layout, header and data checksums) and all the
+I/O live in native code (``csrc/io``): a writer thread checksums and writes
+each block atomically (tmp + fdatasync + rename + directory fsync) without the
+GIL, behind a byte-capped queue whose overflow drops the oldest pending write
+(a future miss, never a wrong answer); a reader thread restores runs of blocks
+into page-aligned buffers that become MLX arrays without a copy.
+
+How blocks get to disk (all decided on the engine thread, which owns MLX):
+
+* **spill**: a cached block the RAM pool evicts is copied out (one gather per
+  storage array) before anything overwrites it, unless it is already on disk.
+* **write-behind**: full blocks that join the prefix cache are written once
+  they have been there ``debounce_s`` (finished requests leave them behind),
+  in small batches while the engine is busy and large ones when it is idle,
+  so that a restart finds them and evictions rarely need a spill.
+* **demotion** (``demote_idle_s``): free cached blocks idle that long leave
+  the RAM cache once they are on disk (their pool blocks become plain free
+  blocks).
+
+Restore: when a new prompt continues past its RAM-cached blocks and the next
+block hashes are on disk, the request waits (off the scheduler) while the
+reader loads them; other requests keep decoding. On completion the blocks are
+scattered into free pool blocks, registered in the prefix cache and held
+until the request is admitted, where ``match_prefix`` finds them like any
+RAM hit. A file that fails a check is quarantined and the prompt is computed
+from there.
+
+Two servers on one directory: an exclusive ``flock`` on ``DIR/lock``. The
+second server logs a warning and runs RAM-only (the lock dies with its
+process, so a crash never leaves a stale lock).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .. import _ext
+from .block_pool import chain_hashes
+
+log = logging.getLogger("mlxfast.ssd")
+
+WRITTEN, DROPPED, FAILED, REMOVED = 0, 1, 2, 3
+
+
+class SSDUnavailable(RuntimeError):
+    """The SSD tier cannot run here (directory locked by another server, unwritable)."""
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).split(".")[-1]
+
+
+def weights_fingerprint(model) -> str:
+    """A cheap fingerprint of the weights: every parameter's name, shape, dtype
+    and a strided sample of its bytes (two fine-tunes of one architecture
+    differ; hashing all weights would cost seconds on a large model)."""
+    from mlx.utils import tree_flatten
+
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in tree_flatten(model.parameters()):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        flat = p.reshape(-1)
+        if flat.size == 0:
+            continue
+        if flat.dtype == mx.bfloat16:
+            flat = flat.view(mx.uint16)
+        step = max(1, flat.size // 256)
+        sample = flat[::step][:256]
+        h.update(np.asarray(sample).tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(tokenizer).__qualname__.encode())
+    hf_json = getattr(tokenizer, "hf_json", None)
+    if callable(hf_json):
+        h.update(hf_json().encode())
+    else:
+        n = int(getattr(tokenizer, "vocab_size", 0) or 0)
+        h.update(str(n).encode())
+        dec = getattr(tokenizer, "decode", None)
+        if callable(dec):
+            for i in range(min(n, 1 << 16)):
+                h.update(dec([i]).encode("utf-8", "surrogatepass") + b"\0")
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [])
+    h.update(repr(eos).encode())
+    return h.hexdigest()
+
+
+class SSDTier:
+    """The disk index and the write/restore machinery; engine-thread only,
+    except ``request_flush``/``wait_flushed``/``stats`` (any thread)."""
+
+    def __init__(self, root: str | os.PathLike, namespace: str, pool, allocator, *,
+                 max_bytes: int = 32 << 30, verify: bool = False, demote_idle_s: float | None = None,
+                 debounce_s: float = 1.0, max_pending_bytes: int = 256 << 20,
+                 busy_write_bytes: int = 16 << 20, busy_write_interval_s: float = 0.25):
+        self.root = Path(root)
+        self.pool = pool
+        self.alloc = allocator
+        self.bs = pool.block_size
+        self.max_bytes = int(max_bytes)
+        self.verify = bool(verify)
+        self.demote_idle_s = demote_idle_s
+        self.debounce_s = debounce_s
+        self.busy_write_interval_s = busy_write_interval_s
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise SSDUnavailable(f"cannot use {self.root}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise SSDUnavailable(f"{self.root} is in use by another server (flock on {self.root / 'lock'})") \
+                from None
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            pass
+
+        arrays = pool.arrays()
+        self.specs = []
+        for a in arrays:
+            shape = [self.bs, *a.shape[1:]]
+            self.specs.append((_dtype_name(a.dtype), shape, int(np.prod(shape)) * a.dtype.size))
+        self.block_bytes = sum(s[2] for s in self.specs) + _ext.kv_header_size()
+        scheme = getattr(pool, "scheme_id", f"dense-{_dtype_name(arrays[0].dtype)}")
+        self.layout = scheme + ";" + ";".join(f"{d}:{'x'.join(map(str, s))}" for d, s, _ in self.specs)
+        self.namespace = f"{namespace}|{self.layout}"
+        self.ns_hash = _ext.xxh64(self.namespace.encode())
+        self.dir = self.root / f"ns-{self.ns_hash:016x}"
+        self.qdir = self.root / "quarantine"
+        try:
+            self.dir.mkdir(exist_ok=True)
+            probe = self.dir / f".probe.{os.getpid()}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+            (self.root / f"ns-{self.ns_hash:016x}.txt").write_text(self.namespace + "\n")
+        except OSError as e:
+            self._unlock()
+            raise SSDUnavailable(f"cannot write to {self.dir}: {e.strerror or e}") from None
+
+        t0 = time.perf_counter()
+        entries, self.tmp_removed, quarantined, reasons = _ext.kv_scan(
+            str(self.dir), str(self.qdir), self.ns_hash, self.layout, False)
+        self.quarantined = quarantined
+        for r in reasons[:20]:
+            log.warning("ssd cache: quarantined %s", r)
+        # index: key -> file bytes, oldest used first
+        self.index: OrderedDict[bytes, int] = OrderedDict()
+        self.bytes = 0
+        for key_hex, size, mtime, _tokens in sorted(entries, key=lambda e: e[2]):
+            self.index[bytes.fromhex(key_hex)] = size
+            self.bytes += size
+        self.scan_seconds = time.perf_counter() - t0
+
+        self.writer = _ext.KVWriter(str(self.dir), int(max_pending_bytes))
+        self.reader = _ext.KVReader(str(self.dir))
+        self.pending: dict[bytes, int] = {}  # key -> bytes, queued writes
+        self.dirty: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # key -> (block, registered at)
+        self.evicted: list[tuple[int, bytes]] = []  # blocks to spill before they are overwritten
+        self.restoring: dict[int, list] = {}  # read job id -> [seq, held blocks, keys, t0, cancelled]
+        self.holds: list[tuple[object, list[int]]] = []  # (seq, blocks) held until admitted
+        self.busy_write_blocks = max(1, busy_write_bytes // self.block_bytes)
+        self._last_busy_write = 0.0
+        self._last_demote = time.monotonic()
+        self._fail_until = 0.0
+        self._warned = False
+        self._flush_req = threading.Event()
+        self._flush_done = threading.Event()
+        self._lock = threading.Lock()  # counters read by other threads
+        self.counters = {
+            "restores": 0, "restored_blocks": 0, "restored_bytes": 0, "restore_seconds": 0.0,
+            "restore_failures": 0, "spilled_blocks": 0, "write_behind_blocks": 0, "demoted_blocks": 0,
+            "evicted_files": 0, "written_blocks": 0, "dropped_writes": 0, "failed_writes": 0,
+        }
+        self._failed_at_flush = 0
+        allocator.on_evict = self._on_evict
+        allocator.on_register = self._on_register
+        self._enforce_cap()
+        log.info("ssd cache: %s, %d blocks (%.1f MiB) indexed in %.2fs; %d .tmp removed, %d quarantined",
+                 self.dir, len(self.index), self.bytes / (1 << 20), self.scan_seconds,
+                 self.tmp_removed, self.quarantined)
+
+    # -- allocator hooks -----------------------------------------------------
+    def _on_evict(self, block: int, key: bytes) -> None:
+        self.dirty.pop(key, None)
+        if key not in self.index and key not in self.pending:
+            self.evicted.append((block, key))
+
+    def _on_register(self, block: int, key: bytes) -> None:
+        if key not in self.index and key not in self.pending:
+            self.dirty[key] = (block, time.monotonic())
+
+    # -- writes ----------------------------------------------------------------
+    def _gather(self, blocks: list[int]) -> list[mx.array]:
+        bs = self.bs
+        rows = (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        idx = mx.array(rows.astype(np.int32))
+        return [mx.take(a, idx, axis=0) for a in self.pool.arrays()]
+
+    def _submit(self, items: list[tuple[int, bytes]]) -> None:
+        """Copy blocks out of the pool now and queue their files."""
+        if not items:
+            return
+        arrays = self._gather([b for b, _ in items])
+        keys = [k for _, k in items]
+        names = [k.hex() + ".kv" for k in keys]
+        self.writer.submit(names, keys, [self.bs] * len(items), self.ns_hash, self.layout, arrays, self.bs)
+        for k in keys:
+            self.pending[k] = self.block_bytes
+
+    def spill_evicted(self) -> None:
+        """Before the step writes into freshly allocated blocks: save the cached
+        ones it evicted (call after every allocation)."""
+        if not self.evicted:
+            return
+        items, self.evicted = self.evicted, []
+        if time.monotonic() < self._fail_until:
+            return
+        self._submit(items)
+        self.counters["spilled_blocks"] += len(items)
+
+    def _write_dirty(self, limit: int | None, debounce: bool) -> int:
+        now = time.monotonic()
+        items = []
+        for key, (block, t) in list(self.dirty.items()):
+            if limit is not None and len(items) >= limit:
+                break
+            if debounce and now - t < self.debounce_s:
+                break  # registration order: the rest are younger
+            del self.dirty[key]
+            if self.alloc.hash_of[block] != key or key in self.index or key in self.pending:
+                continue
+            items.append((block, key))
+        self._submit(items)
+        return len(items)
+
+    def _poll_writes(self) -> None:
+        for name, key, status, err, nbytes in self.writer.poll():
+            if status == REMOVED:
+                continue
+            self.pending.pop(key, None)
+            if status == WRITTEN:
+                self.counters["written_blocks"] += 1
+                if key in self.index:
+                    self.bytes -= self.index[key]
+                self.index[key] = nbytes
+                self.index.move_to_end(key)
+                self.bytes += nbytes
+            elif status == DROPPED:
+                self.counters["dropped_writes"] += 1
+            elif status == FAILED:
+                self.counters["failed_writes"] += 1
+                self._fail_until = time.monotonic() + 10.0
+                if not self._warned:
+                    self._warned = True
+                    log.warning("ssd cache: cannot write to %s (%s); serving from RAM, retrying later",
+                                self.dir, os.strerror(err) if err else "error")
+        self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        """Keep files + queued writes under max_bytes, dropping the oldest used."""
+        over = self.bytes + len(self.pending) * self.block_bytes - self.max_bytes
+        names = []
+        while over > 0 and self.index:
+            key, size = self.index.popitem(last=False)
+            self.bytes -= size
+            over -= size
+            names.append(key.hex() + ".kv")
+        if names:
+            self.writer.remove(names)
+            self.counters["evicted_files"] += len(names)
+
+    # -- restores --------------------------------------------------------------
+    def try_restore(self, seq) -> bool:
+        """Start loading the disk blocks that continue ``seq``'s RAM-cached prefix.
+        True: the tier owns the sequence until ``service`` hands it back."""
+        bs = self.bs
+        seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
+        limit = (len(seq.tokens) - 1) // bs  # the last token is always computed
+        if not self.alloc.enable_prefix_cache or limit == 0:
+            return False
+        r = 0
+        while r < limit and seq.hashes[r] in self.alloc.cached:
+            r += 1
+        k = r
+        while k < limit and seq.hashes[k] in self.index:
+            k += 1
+        k = min(k, r + max(0, self.alloc.num_free - 1))
+        if k == r:
+            return False
+        held = self.alloc.match_prefix(seq.hashes[:r])
+        if len(held) != r:  # cannot happen (r was measured just now); be safe
+            self.alloc.free(held)
+            return False
+        keys = seq.hashes[r:k]
+        job = self.reader.submit([h.hex() + ".kv" for h in keys], keys, self.specs, self.ns_hash,
+                                 self.layout, self.verify)
+        self.restoring[job] = [seq, held, keys, time.monotonic(), False]
+        for h in keys:  # in use: the newest end of the LRU
+            self.index.move_to_end(h)
+        return True
+
+    def cancel(self, request_id: str) -> bool:
+        for entry in self.restoring.values():
+            seq = entry[0]
+            if seq.request_id == request_id and not entry[4]:
+                entry[4] = True
+                self.alloc.free(entry[1])
+                entry[1] = []
+                return True
+        return False
+
+    def _finish_restore(self, res, add) -> None:
+        job, n_total, n_ok, fail_name, fail_reason, fail_missing, seconds, nbytes, arrays = res
+        seq, held, keys, t0, cancelled = self.restoring.pop(job)
+        if fail_reason:
+            bad = keys[n_ok]
+            if bad in self.index:
+                self.bytes -= self.index.pop(bad)
+            self.counters["restore_failures"] += 1
+            if not fail_missing:
+                _ext.kv_quarantine(str(self.dir / fail_name), str(self.qdir))
+                with self._lock:
+                    self.quarantined += 1
+                log.warning("ssd cache: %s: %s (quarantined; recomputing from there)", fail_name, fail_reason)
+        if cancelled:
+            return
+        n = min(n_ok, max(0, self.alloc.num_free - 1))
+        if n > 0:
+            blocks = self.alloc.allocate(n)
+            self.spill_evicted()  # blocks just evicted for these: save them before overwriting
+            bs = self.bs
+            rows = mx.array((np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs))
+                            .reshape(-1).astype(np.int32))
+            pool_arrays = self.pool.arrays()
+            for a, src in zip(pool_arrays, arrays):
+                a[rows] = src[: n * bs] if n < n_ok else src
+            mx.eval(pool_arrays)
+            for b, h in zip(blocks, keys[:n]):
+                self.alloc.register(b, h)
+            held = held + blocks
+            self.counters["restores"] += 1
+            self.counters["restored_blocks"] += n
+            self.counters["restored_bytes"] += nbytes * n // max(1, n_ok)
+            self.counters["restore_seconds"] += time.monotonic() - t0
+        del arrays
+        self.holds.append((seq, held))
+        add(seq)
+
+    def release_holds(self) -> None:
+        """After a schedule: drop the references that kept restored blocks for
+        sequences that have been admitted (or finished)."""
+        if not self.holds:
+            return
+        keep = []
+        for seq, blocks in self.holds:
+            if seq.status == "waiting":
+                keep.append((seq, blocks))
+            else:
+                self.alloc.free(blocks)
+        self.holds = keep
+
+    # -- the engine loop -------------------------------------------------------
+    def has_work(self) -> bool:
+        """Something to do right now (the engine should not sleep)."""
+        if self._flush_req.is_set():
+            return True
+        if self.restoring and self.reader.pending() < len(self.restoring):
+            return True
+        return False
+
+    def wait_timeout(self) -> float | None:
+        """How long the engine may sleep before ``service`` has something to do."""
+        t = []
+        if self.restoring:
+            t.append(0.002)
+        if self.dirty:
+            _, ts = next(iter(self.dirty.values()))
+            t.append(max(0.001, ts + self.debounce_s - time.monotonic()))
+        if self.pending:
+            t.append(0.05)
+        if self.demote_idle_s:
+            t.append(max(0.05, min(1.0, self.demote_idle_s / 4)))
+        return min(t) if t else None
+
+    def service(self, add, busy: bool) -> None:
+        """Engine thread, each loop iteration: completions, restores, write-behind,
+        demotion, flush requests. ``add(seq)`` hands a restored sequence to the scheduler."""
+        self._poll_writes()
+        if self.restoring:
+            for res in self.reader.poll():
+                self._finish_restore(res, add)
+        now = time.monotonic()
+        if self._flush_req.is_set():
+            self._flush_req.clear()
+            self._write_all_cached()
+            self._flush_done.set()
+        elif self.dirty and now >= self._fail_until:
+            if not busy:
+                self.counters["write_behind_blocks"] += self._write_dirty(None, debounce=True)
+            elif now - self._last_busy_write >= self.busy_write_interval_s:
+                self._last_busy_write = now
+                self.counters["write_behind_blocks"] += self._write_dirty(self.busy_write_blocks, debounce=True)
+        if self.demote_idle_s and now - self._last_demote >= min(1.0, self.demote_idle_s / 4):
+            self._last_demote = now
+            self._demote(now)
+
+    def _demote(self, now: float) -> None:
+        alloc = self.alloc
+        cutoff = now - self.demote_idle_s
+        n = 0
+        for b in list(alloc.free_queue):
+            h = alloc.hash_of[b]
+            if h is None:
+                continue
+            if alloc.last_used[b] > cutoff:
+                break  # LRU order: the rest were used more recently
+            if h in self.index:
+                alloc.uncache(b)
+                n += 1
+            elif h not in self.pending and h not in self.dirty:
+                self.dirty[h] = (b, 0.0)  # write it (next write-behind), demote after
+                self.dirty.move_to_end(h, last=False)
+        self.counters["demoted_blocks"] += n
+
+    def _write_all_cached(self) -> None:
+        items = [(b, h) for h, b in self.alloc.cached.items()
+                 if h not in self.index and h not in self.pending]
+        self.dirty.clear()
+        for i in range(0, len(items), 64):
+            self._submit(items[i:i + 64])
+
+    # -- flush / close (any thread) ---------------------------------------------
+    def request_flush(self) -> None:
+        self._flush_done.clear()
+        self._flush_req.set()
+
+    def wait_flushed(self, timeout: float) -> bool:
+        """After ``request_flush`` (and a wake-up of the engine): wait until every
+        cached block is written and durable."""
+        deadline = time.monotonic() + timeout
+        if not self._flush_done.wait(timeout):
+            return False
+        return bool(self.writer.wait_idle(max(0.0, deadline - time.monotonic())))
+
+    def flush(self, wake, timeout: float) -> dict:
+        """Any thread: have the engine write every cached block not on disk,
+        wait until the writer is idle (durable), then one more engine round so
+        the index and counters include the completions. ``wake()`` wakes the engine."""
+        deadline = time.monotonic() + timeout
+        self.request_flush()
+        wake()
+        ok = self.wait_flushed(timeout)
+        if ok:
+            self.request_flush()
+            wake()
+            ok = self._flush_done.wait(max(0.0, deadline - time.monotonic()))
+        return self.flush_result(ok)
+
+    def flush_result(self, ok: bool) -> dict:
+        s = self.stats()
+        failed_now = s["failed_writes"] - self._failed_at_flush
+        self._failed_at_flush = s["failed_writes"]
+        durable = bool(ok) and s["pending_writes"] == 0 and failed_now == 0
+        return {"durable": durable, "failed_since_last_flush": failed_now, **s}
+
+    def stats(self) -> dict:
+        w = self.writer.stats()
+        c = dict(self.counters)
+        c["written_blocks"] = max(c["written_blocks"], 0)
+        return {
+            "enabled": True,
+            "dir": str(self.dir),
+            "entries": len(self.index),
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+            "pending_writes": int(w["pending_jobs"]) + int(w["in_flight"]),
+            "pending_bytes": int(w["pending_bytes"]),
+            "dirty_blocks": len(self.dirty),
+            "restoring": len(self.restoring),
+            "quarantined": self.quarantined,
+            "tmp_removed": self.tmp_removed,
+            "file_syncs": int(w["file_syncs"]),
+            "dir_syncs": int(w["dir_syncs"]),
+            **c,
+        }
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Wait up to ``timeout`` for queued writes to become durable, then stop."""
+        ok = bool(self.writer.wait_idle(timeout)) if timeout > 0 else False
+        self.writer.close(False, 5.0)
+        self.reader.close()
+        self._poll_writes_final()
+        self._unlock()
+        return ok
+
+    def _poll_writes_final(self) -> None:
+        try:
+            for _name, key, status, _err, _n in self.writer.poll():
+                self.pending.pop(key, None)
+                if status == DROPPED:
+                    self.counters["dropped_writes"] += 1
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", -1), -1
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+
+def open_tier(cfg, namespace: str, pool, allocator, model=None, tokenizer=None):
+    """The SSD tier from an EngineConfig, or None (off, or unavailable: warned)."""
+    root = getattr(cfg, "ssd_cache_dir", None)
+    if not root:
+        return None
+    if not cfg.enable_prefix_cache:
+        log.warning("ssd cache: --ssd-cache has no effect without the RAM prefix cache")
+        return None
+    parts = [namespace]
+    if not cfg.model_fingerprint and model is not None:
+        parts.append("w" + weights_fingerprint(model))
+    if tokenizer is not None:
+        parts.append("t" + tokenizer_fingerprint(tokenizer))
+    try:
+        return SSDTier(root, "|".join(parts), pool, allocator,
+                       max_bytes=int(cfg.ssd_cache_max_gb * (1 << 30)), verify=cfg.ssd_cache_verify,
+                       demote_idle_s=cfg.ssd_demote_idle_s)
+    except SSDUnavailable as e:
+        log.warning("ssd cache disabled, serving from RAM only: %s", e)
+        return None
+    except OSError as e:
+        if e.errno in (errno_mod.ENOSPC, errno_mod.EROFS, errno_mod.EACCES):
+            log.warning("ssd cache disabled, serving from RAM only: %s", e)
+            return None
+        raise
