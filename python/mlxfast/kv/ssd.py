@@ -510,7 +510,11 @@ class SSDTier:
 
     def close(self, timeout: float = 30.0) -> bool:
         """Wait up to ``timeout`` for queued writes to become durable, then stop."""
+        t0 = time.monotonic()
         ok = bool(self.writer.wait_idle(timeout)) if timeout > 0 else False
+        if ok:  # the last writes may push the files over the cap: trim, wait for the unlinks
+            self._poll_writes()
+            self.writer.wait_idle(max(1.0, timeout - (time.monotonic() - t0)))
         self.writer.close(False, 5.0)
         self.reader.close()
         self._poll_writes_final()

@@ -1,0 +1,244 @@
+"""The SSD tier inside the engine, on a tiny random model: restored blocks give
+the same greedy tokens as a cold run; spills, write-behind, demotion, the byte
+cap, corruption, locking and an unwritable disk."""
+
+import logging
+import random
+import shutil
+import time
+
+import pytest
+
+from engine_utils import ToyTokenizer, greedy, run_requests, tiny_model
+from mlxfast.engine.api import Request
+from mlxfast.engine.config import EngineConfig
+from mlxfast.engine.engine import Engine
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(3, layers=2)
+
+
+def engine(model, **kw):
+    kw.setdefault("num_blocks", 128)
+    kw.setdefault("block_size", BS)
+    return Engine(model, ToyTokenizer(), EngineConfig(**kw)).start()
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(1, 97) for _ in range(n)]
+
+
+def ask(eng, p, n=8, salt=""):
+    toks, _, fin = run_requests(eng, [Request(p, greedy(n, ignore_eos=True), cache_salt=salt)])[0]
+    return toks, fin
+
+
+_cold_cache = {}
+
+
+def cold(model, p, n=8, **kw):
+    key = (tuple(p), n, tuple(sorted(kw.items())))
+    if key not in _cold_cache:
+        e = engine(model, enable_prefix_cache=False, **kw)
+        try:
+            _cold_cache[key] = ask(e, p, n)[0]
+        finally:
+            e.shutdown()
+    return _cold_cache[key]
+
+
+def files(d):
+    return sorted(d.glob("ns-*/*.kv"))
+
+
+@pytest.mark.parametrize("kv_quant", ["off", "8"])
+def test_restart_restores_identical_tokens(model, tmp_path, kv_quant):
+    p = prompt(1, 203)
+    ext = p + [5, 6, 7, 8, 9]
+    e = engine(model, ssd_cache_dir=str(tmp_path), kv_quant=kv_quant, kv_group_size=16)
+    try:
+        ask(e, p)
+        r = e.flush_cache(30)
+        assert r["durable"] and r["pending_writes"] == 0 and r["entries"] >= 203 // BS
+    finally:
+        e.shutdown()
+    assert not list(tmp_path.glob("ns-*/*.tmp"))
+    e = engine(model, ssd_cache_dir=str(tmp_path), kv_quant=kv_quant, kv_group_size=16)
+    try:
+        assert e.stats()["ssd"]["entries"] >= 203 // BS
+        toks, fin = ask(e, ext)
+        s = e.stats()["ssd"]
+    finally:
+        e.shutdown()
+    assert toks == cold(model, ext, kv_quant=kv_quant, kv_group_size=16)
+    assert fin.cached_tokens == (len(ext) - 1) // BS * BS  # every full block before the last token
+    assert s["restores"] == 1 and s["restored_blocks"] == (len(ext) - 1) // BS
+
+
+def test_evicted_blocks_spill_and_come_back(model, tmp_path):
+    a, b = prompt(2, 150), prompt(3, 150)
+    e = engine(model, ssd_cache_dir=str(tmp_path), num_blocks=24)  # 192 slots: b evicts a
+    try:
+        e.ssd.debounce_s = 60.0  # no write-behind: only the eviction path writes
+        ask(e, a)
+        ask(e, b)
+        s = e.stats()["ssd"]
+        assert s["spilled_blocks"] > 0 and s["write_behind_blocks"] == 0
+        e.flush_cache(30)  # the spills land in the index once written
+        toks, fin = ask(e, a + [1, 2, 3])
+        s = e.stats()["ssd"]
+        e.allocator.check()
+    finally:
+        e.shutdown()
+    assert s["restored_blocks"] > 0 and fin.cached_tokens >= 8 * BS
+    assert toks == cold(model, a + [1, 2, 3], num_blocks=24)
+
+
+def test_write_behind_and_demotion(model, tmp_path):
+    p = prompt(4, 100)
+    e = engine(model, ssd_cache_dir=str(tmp_path), ssd_demote_idle_s=0.3)
+    try:
+        e.ssd.debounce_s = 0.05
+        ask(e, p)
+        deadline = time.time() + 10
+        while time.time() < deadline and e.stats()["ssd"]["demoted_blocks"] < 100 // BS:
+            time.sleep(0.05)
+        s = e.stats()["ssd"]
+        assert s["write_behind_blocks"] >= 100 // BS and s["demoted_blocks"] >= 100 // BS
+        assert not e.allocator.cached  # their RAM is free again
+        toks, fin = ask(e, p + [9])
+        assert e.stats()["ssd"]["restored_blocks"] >= 100 // BS
+    finally:
+        e.shutdown()
+    assert toks == cold(model, p + [9]) and fin.cached_tokens == 100 // BS * BS
+
+
+def test_byte_cap_enforced(model, tmp_path):
+    per_file = 4096 + 2 * 2 * BS * 2 * 16 * 4  # header + K,V of 2 layers (fp32, 2 kv heads, dim 16)
+    cap_gb = 10 * per_file / (1 << 30)
+    e = engine(model, ssd_cache_dir=str(tmp_path), ssd_cache_max_gb=cap_gb)
+    try:
+        assert e.ssd.block_bytes == per_file
+        for seed in range(3):
+            ask(e, prompt(10 + seed, 60))
+            e.flush_cache(30)
+        s = e.stats()["ssd"]
+    finally:
+        e.shutdown()
+    assert s["bytes"] <= 10 * per_file and s["entries"] <= 10 and s["evicted_files"] > 0
+    assert len(files(tmp_path)) == s["entries"]
+
+
+def test_corrupt_and_foreign_files_are_quarantined(model, tmp_path):
+    p = prompt(5, 120)
+    e = engine(model, ssd_cache_dir=str(tmp_path))
+    try:
+        ask(e, p)
+        assert e.flush_cache(30)["durable"]
+    finally:
+        e.shutdown()
+    fs = files(tmp_path)
+    assert len(fs) >= 4
+    with open(fs[0], "r+b") as f:  # header byte
+        f.seek(30)
+        f.write(b"\xff")
+    with open(fs[1], "r+b") as f:  # data byte: found on restore (verify on)
+        f.seek(5000)
+        c = f.read(1)
+        f.seek(5000)
+        f.write(bytes([c[0] ^ 1]))
+    with open(fs[2], "r+b") as f:
+        f.truncate(4096 + 17)
+    other = tiny_model(99, layers=2)  # another model's block under a plausible name
+    e2 = Engine(other, ToyTokenizer(), EngineConfig(num_blocks=64, block_size=BS,
+                                                    ssd_cache_dir=str(tmp_path / "other"))).start()
+    try:
+        ask(e2, prompt(6, 20))
+        e2.flush_cache(30)
+    finally:
+        e2.shutdown()
+    foreign = files(tmp_path / "other")[0]
+    shutil.copy(foreign, fs[0].parent / ("ab" * 16 + ".kv"))
+    e = engine(model, ssd_cache_dir=str(tmp_path), ssd_cache_verify=True)
+    try:
+        assert e.stats()["ssd"]["quarantined"] == 3  # header, truncation, foreign: at scan
+        toks, fin = ask(e, p + [3, 4])
+        s = e.stats()["ssd"]
+    finally:
+        e.shutdown()
+    assert toks == cold(model, p + [3, 4])
+    q = list((tmp_path / "quarantine").iterdir())
+    if fs[1].exists():  # the data flip is caught when its chain is restored
+        assert s["restore_failures"] == 0
+    else:
+        assert s["quarantined"] == 4 and len(q) == 4
+    assert len(q) >= 3
+
+
+def test_second_server_on_same_directory_runs_ram_only(model, tmp_path, caplog):
+    e1 = engine(model, ssd_cache_dir=str(tmp_path))
+    try:
+        with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
+            e2 = engine(model, ssd_cache_dir=str(tmp_path))
+        try:
+            assert e1.ssd is not None and e2.ssd is None
+            assert "in use by another server" in caplog.text
+            p = prompt(7, 40)
+            assert ask(e2, p)[0] == cold(model, p)
+        finally:
+            e2.shutdown()
+    finally:
+        e1.shutdown()
+    e3 = engine(model, ssd_cache_dir=str(tmp_path))  # the lock went with e1
+    try:
+        assert e3.ssd is not None
+    finally:
+        e3.shutdown()
+
+
+def test_unwritable_disk_keeps_serving(model, tmp_path, caplog):
+    e = engine(model, ssd_cache_dir=str(tmp_path))
+    try:
+        shutil.rmtree(e.ssd.dir)  # every write now fails (ENOENT)
+        p = prompt(8, 80)
+        with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
+            ask(e, p)
+            r = e.flush_cache(30)
+            toks, _ = ask(e, p + [1])
+            e.flush_cache(30)
+        assert not r["durable"] and r["failed_writes"] > 0
+        assert caplog.text.count("cannot write") == 1  # warned once
+    finally:
+        e.shutdown()
+    assert toks == cold(model, p + [1])
+
+
+def test_abort_while_restoring(model, tmp_path):
+    p = prompt(9, 200)
+    e = engine(model, ssd_cache_dir=str(tmp_path))
+    try:
+        ask(e, p)
+        e.flush_cache(30)
+    finally:
+        e.shutdown()
+    e = engine(model, ssd_cache_dir=str(tmp_path))
+    try:
+        import asyncio
+
+        async def go():
+            stream = e.submit(Request(p + [1], greedy(4, ignore_eos=True)))
+            await stream.aclose()  # aborted while its blocks are being read
+
+        asyncio.run(go())
+        toks, _ = ask(e, p + [2])
+        time.sleep(0.1)
+        e.allocator.check()
+        assert all(rc == 0 for rc in e.allocator.refcount) and not e.ssd.holds
+    finally:
+        e.shutdown()
+    assert toks == cold(model, p + [2])
