@@ -10,6 +10,7 @@
 #include "ops/quantized_matmul.h"
 #include "ops/silu_mul.h"
 #include "ops/paged_attention.h"
+#include "ops/kv_quant.h"
 #include "io/bind_io.h"
 
 namespace nb = nanobind;
@@ -42,6 +43,17 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "stream"_a = nb::none());
   m.def("paged_gather", &mlxfast::paged_gather, "pool"_a, "block_tables"_a, "block_size"_a,
         nb::kw_only(), "stream"_a = nb::none());
+  // quantized KV (python/mlxfast/ops_kvquant.py)
+  m.def("kv_quant_encode", &mlxfast::kv_quant_encode, "k"_a, "v"_a, "signs"_a, "codebook"_a,
+        nb::kw_only(), "head_dim"_a, "k_bits"_a, "v_bits"_a, "group_size"_a, "v_turbo"_a,
+        "stream"_a = nb::none());
+  m.def("kv_quant_dequant", &mlxfast::kv_quant_dequant, "packed"_a, "signs"_a, "codebook"_a,
+        nb::kw_only(), "head_dim"_a, "k_bits"_a, "v_bits"_a, "group_size"_a, "v_turbo"_a,
+        "dtype"_a, "stream"_a = nb::none());
+  m.def("kv_quant_paged_attention", &mlxfast::kv_quant_paged_attention, "q"_a, "packed"_a,
+        "block_tables"_a, "seq_idx"_a, "positions"_a, "signs"_a, "codebook"_a, nb::kw_only(),
+        "scale"_a, "block_size"_a, "head_dim"_a, "k_bits"_a, "v_bits"_a, "group_size"_a,
+        "v_turbo"_a, "stream"_a = nb::none());
 
   mlxfast::bind_io(m);  // SSD-tier I/O: csrc/io/
 }

@@ -1,0 +1,143 @@
+"""Native quantized-KV kernels (encode, dequant, fused paged attention)
+against their pure-MLX references, on every CPU path this machine runs."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxfast import ops
+from mlxfast.ops_kvquant import KVQuantFormat, rotation_signs
+
+PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
+FORMATS = [KVQuantFormat(64, 8, 8, 64, False), KVQuantFormat(64, 4, 4, 64, False),
+           KVQuantFormat(64, 8, 8, 32, False), KVQuantFormat(64, 4, 4, 32, False),
+           KVQuantFormat(64, 8, 3, 64, True), KVQuantFormat(64, 8, 4, 64, True),
+           KVQuantFormat(64, 8, 2, 64, True), KVQuantFormat(64, 4, 3, 32, True),
+           KVQuantFormat(128, 8, 3, 64, True), KVQuantFormat(32, 4, 4, 32, False),
+           KVQuantFormat(16, 8, 2, 16, True), KVQuantFormat(24, 8, 8, 8, False)]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    ops.set_cpu_path(request.param)
+    yield request.param
+    ops.set_cpu_path("")
+
+
+def fid(f):
+    return f"D{f.head_dim}k{f.k_bits}v{f.v_bits}{'t' if f.v_turbo else 'a'}g{f.group_size}"
+
+
+def signs_for(fmt, layer=0):
+    return mx.array(rotation_signs(1, layer, fmt.head_dim))
+
+
+ENC = [(f, (mx.float32, mx.float16, mx.bfloat16)[i % 3]) for i, f in enumerate(FORMATS)]
+
+
+@pytest.mark.parametrize("fmt,dtype", ENC, ids=[f"{fid(f)}-{str(d)[9:]}" for f, d in ENC])
+def test_encode_and_dequant_match_reference(path, fmt, dtype):
+    mx.random.seed(fmt.head_dim + fmt.v_bits)
+    k = (mx.random.normal((37, 3, fmt.head_dim)) * 2).astype(dtype)
+    v = mx.random.normal((37, 3, fmt.head_dim)).astype(dtype)
+    s = signs_for(fmt)
+    nat, ref = ops.kv_quant_encode(k, v, fmt, s), ops.kv_quant_encode_reference(k, v, fmt, s)
+    assert nat.shape == ref.shape == (37, 3, fmt.row_bytes) and nat.dtype == mx.uint8
+    kb = fmt.k_bytes
+    assert mx.array_equal(nat[..., :kb], ref[..., :kb])  # affine keys: bit-exact
+    kn, vn = ops.kv_quant_dequant(nat, fmt, s, dtype=mx.float32)
+    kr, vr = ops.kv_quant_dequant_reference(ref, fmt, s)
+    np.testing.assert_allclose(np.array(kn), np.array(kr), atol=1e-6)
+    # values: codes may differ at a decision boundary (fp rounding of the rotation)
+    tol = 1e-5 if not fmt.v_turbo else 0.35 * float(mx.abs(vr).max())
+    np.testing.assert_allclose(np.array(vn), np.array(vr), atol=tol)
+    close = mx.abs(vn - vr) < 1e-4
+    assert float(close.astype(mx.float32).mean()) > 0.99
+    # dequant of the same bytes is exact up to float rounding, in every output dtype
+    for odt in (mx.float32, mx.float16, mx.bfloat16):
+        kn2, vn2 = ops.kv_quant_dequant(ref, fmt, s, dtype=odt)
+        assert kn2.dtype == odt
+        tol = {mx.float32: 2e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}[odt]
+        np.testing.assert_allclose(np.array(vn2.astype(mx.float32)), np.array(vr), atol=tol * 4,
+                                   rtol=tol)
+
+
+def random_case(rng, fmt, *, n_seqs, bs, Hq, Hkv, num_blocks, max_len, max_n=None):
+    perm = list(range(num_blocks))
+    rng.shuffle(perm)
+    tables, seq_idx, positions, used = [], [], [], 0
+    for i in range(n_seqs):
+        length = rng.randint(1, max_len)
+        n = rng.choice([1, 1, rng.randint(1, min(length, max_n or length))])  # decode / prefill
+        nb = -(-length // bs)
+        tables.append(perm[used:used + nb])
+        used += nb
+        seq_idx += [i] * n
+        positions += list(range(length - n, length))
+    maxb = max(len(t) for t in tables)
+    tables = [t + [rng.randrange(num_blocks)] * (maxb - len(t)) for t in tables]  # junk padding
+    D = fmt.head_dim
+    s = signs_for(fmt, 3)
+    packed = ops.kv_quant_encode_reference(mx.random.normal((num_blocks * bs, Hkv, D)) * 1.5,
+                                           mx.random.normal((num_blocks * bs, Hkv, D)), fmt, s)
+    q = mx.random.normal((len(seq_idx), Hq, D))
+    return (q, packed, mx.array(tables, dtype=mx.int32), mx.array(seq_idx, dtype=mx.int32),
+            mx.array(positions, dtype=mx.int32), s)
+
+
+SHAPES = [(4, 4, 16), (9, 3, 16), (8, 2, 8), (6, 1, 32), (2, 2, 1)]  # Hq, Hkv, block_size
+CASES = [(f, SHAPES[(i + j) % len(SHAPES)]) for i, f in enumerate(FORMATS) for j in (0, 2)]
+
+
+@pytest.mark.parametrize("fmt,shape", CASES, ids=[f"{fid(f)}-{s}" for f, s in CASES])
+def test_attention_matches_reference(path, fmt, shape):
+    Hq, Hkv, bs = shape
+    rng = random.Random(hash((fid(fmt), Hq, bs)) & 0xFFFF)
+    mx.random.seed(rng.randrange(1000))
+    num_blocks = max(8, 400 // bs)
+    q, packed, tables, seq_idx, pos, s = random_case(rng, fmt, n_seqs=5, bs=bs, Hq=Hq, Hkv=Hkv,
+                                                     num_blocks=num_blocks, max_len=70)
+    kw = dict(scale=fmt.head_dim ** -0.5, block_size=bs, fmt=fmt, signs=s)
+    got = ops.kv_quant_paged_attention(q, packed, tables, seq_idx, pos, **kw)
+    want = ops.kv_quant_paged_attention_reference(q, packed, tables, seq_idx, pos, **kw)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[4]], ids=fid)
+def test_attention_long_context_split_and_dtypes(path, fmt):
+    """Long contexts with few rows are split along the keys and merged."""
+    rng = random.Random(5)
+    mx.random.seed(5)
+    bs, Hq, Hkv = 16, 9, 3
+    q, packed, tables, seq_idx, pos, s = random_case(rng, fmt, n_seqs=3, bs=bs, Hq=Hq, Hkv=Hkv,
+                                                     num_blocks=400, max_len=2000, max_n=24)
+    kw = dict(scale=0.125, block_size=bs, fmt=fmt, signs=s)
+    want = ops.kv_quant_paged_attention_reference(q, packed, tables, seq_idx, pos, **kw)
+    for dt, tol in ((mx.float32, 2e-5), (mx.float16, 2e-3), (mx.bfloat16, 2e-2)):
+        got = ops.kv_quant_paged_attention(q.astype(dt), packed, tables, seq_idx, pos, **kw)
+        assert got.dtype == dt
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want),
+                                   atol=tol, rtol=tol * 5)
+
+
+def test_validation():
+    fmt = KVQuantFormat(64, 8, 3, 64, True)
+    s = signs_for(fmt)
+    q = mx.zeros((2, 4, 64))
+    packed = mx.zeros((32, 2, fmt.row_bytes), mx.uint8)
+    t = mx.zeros((1, 2), mx.int32)
+    i = mx.zeros((2,), mx.int32)
+    with pytest.raises(ValueError, match="signs"):
+        ops.kv_quant_paged_attention(q, packed, t, i, i, scale=1.0, block_size=16, fmt=fmt)
+    with pytest.raises(ValueError, match="packed"):
+        ops.kv_quant_paged_attention(q, packed[..., :-1], t, i, i, scale=1.0, block_size=16,
+                                     fmt=fmt, signs=s)
+    with pytest.raises(ValueError, match="block_size"):
+        ops.kv_quant_paged_attention(q, packed, t, i, i, scale=1.0, block_size=7, fmt=fmt, signs=s)
+    with pytest.raises(ValueError, match="multiple"):
+        ops.kv_quant_paged_attention(mx.zeros((2, 3, 64)), packed, t, i, i, scale=1.0,
+                                     block_size=16, fmt=fmt, signs=s)
+    with pytest.raises(ValueError, match="shape"):
+        ops.kv_quant_encode(mx.zeros((2, 64)), mx.zeros((3, 64)), fmt, s)
