@@ -9,6 +9,10 @@ tolerance means "relative rounding error of the accumulation":
 Every CPU path this machine can run is forced in turn.
 """
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -231,3 +235,79 @@ def test_inside_compile_and_graph():
     x = mx.random.normal((3, 128))
     ref, _ = oracle(x * 2, wq, s, b, 32, 4)
     assert mx.allclose(f(x), ref + 1, atol=1e-4)
+
+
+# The NEON kernel cannot run on x86 hosts; where an aarch64 cross compiler and
+# qemu-user exist (Debian: g++-aarch64-linux-gnu, qemu-user) it is built and
+# checked against the portable kernel under emulation.
+NEON_HARNESS = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cmath>
+#include <random>
+#include "cpu/qmm.h"
+namespace mlxfast { namespace qmm {
+void parallel(int64_t n, int64_t, void (*fn)(void*, int64_t, int64_t), void* ctx) {
+  // split into 3 chunks to exercise ranges
+  int64_t per = (n + 2) / 3;
+  for (int64_t b = 0; b < n; b += per) fn(ctx, b, b + per < n ? b + per : n);
+}
+}}
+using namespace mlxfast::qmm;
+int main() {
+  std::mt19937 rng(1);
+  int fails = 0;
+  for (int bits : {4, 8, 3}) for (int gs : {32, 64, 128}) for (int M : {1, 3, 9}) for (int xdt : {0, 1, 2}) {
+    int64_t N = 37, K = gs * 3;
+    std::vector<uint32_t> w(N * K * bits / 32);
+    for (auto& v : w) v = rng();
+    int64_t G = K / gs;
+    std::vector<uint16_t> s(N * G), b(N * G);
+    std::uniform_real_distribution<float> U(-1, 1);
+    for (auto& v : s) v = f32_to_f16(U(rng) * 0.1f);
+    for (auto& v : b) v = f32_to_f16(U(rng));
+    std::vector<float> xf(M * K); for (auto& v : xf) v = U(rng);
+    std::vector<uint16_t> xh(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xh[i] = xdt == 1 ? f32_to_f16(xf[i]) : f32_to_bf16(xf[i]);
+    std::vector<float> o1(M * N), o2(M * N);
+    Args a{};
+    a.x = xdt == 0 ? (const void*)xf.data() : (const void*)xh.data();
+    a.w = w.data(); a.scales = s.data(); a.biases = b.data();
+    a.M = M; a.N = N; a.K = K; a.group_size = gs; a.bits = bits;
+    a.x_dtype = (DType)xdt; a.s_dtype = F16;
+    std::vector<uint16_t> h1(M * N), h2(M * N);
+    a.out = xdt == 0 ? (void*)o1.data() : (void*)h1.data(); run_neon(a);
+    a.out = xdt == 0 ? (void*)o2.data() : (void*)h2.data(); run_portable(a);
+    double worst = 0;
+    for (int64_t i = 0; i < M * N; ++i) {
+      float u = xdt == 0 ? o1[i] : load_f32(h1.data(), (DType)xdt, i);
+      float v = xdt == 0 ? o2[i] : load_f32(h2.data(), (DType)xdt, i);
+      worst = std::fmax(worst, std::fabs(u - v) / (1 + std::fabs(v)));
+    }
+    double tol = xdt == 0 ? 1e-4 : (xdt == 1 ? 2e-3 : 2e-2);
+    if (!(worst <= tol)) { printf("FAIL bits=%d gs=%d M=%d xdt=%d worst=%g\n", bits, gs, M, xdt, worst); ++fails; }
+  }
+  printf("%s (%d failures)\n", fails ? "FAILED" : "all NEON cases match portable", fails);
+  return fails != 0;
+}
+"""
+
+
+@pytest.mark.skipif(
+    not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
+    reason="needs aarch64-linux-gnu-g++ and qemu-aarch64 (cross-check of the NEON kernel)",
+)
+def test_neon_kernel_matches_portable_under_qemu(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "harness.cpp"
+    src.write_text(NEON_HARNESS)
+    exe = tmp_path / "harness"
+    subprocess.run(
+        ["aarch64-linux-gnu-g++", "-std=c++17", "-O2", "-static", "-DMLXFAST_ARM64=1",
+         f"-I{root / 'csrc'}", str(src), str(root / "csrc/cpu/qmm_neon.cpp"),
+         str(root / "csrc/cpu/qmm_portable.cpp"), "-o", str(exe)],
+        check=True, capture_output=True, timeout=300,
+    )
+    out = subprocess.run(["qemu-aarch64", str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
