@@ -242,3 +242,28 @@ def test_abort_while_restoring(model, tmp_path):
     finally:
         e.shutdown()
     assert toks == cold(model, p + [2])
+
+
+def test_flush_route_and_metrics(fake_client):
+    client, eng = fake_client("hi", api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    assert client.post("/admin/cache/flush").status_code == 401  # admin routes need the key
+    r = client.post("/admin/cache/flush", headers=auth)
+    assert r.status_code == 200 and r.json() == {"durable": True, "enabled": False}
+    calls = []
+
+    def flush_cache(timeout):
+        calls.append(timeout)
+        return {"durable": len(calls) == 1, "pending_writes": len(calls) - 1, "failed_writes": 0}
+
+    eng.flush_cache = flush_cache
+    r = client.post("/admin/cache/flush?timeout=5", headers=auth)
+    assert r.status_code == 200 and r.json()["durable"] is True and calls == [5.0]
+    r = client.post("/admin/cache/flush", headers=auth)
+    assert r.status_code == 503 and r.json() == {"durable": False, "pending_writes": 1, "failed_writes": 0}
+    assert client.post("/admin/cache/flush?timeout=x", headers=auth).status_code == 400
+    eng.stats = lambda: {"ssd": {"enabled": True, "entries": 7, "restored_blocks": 3, "quarantined": 1}}
+    text = client.get("/metrics").text
+    assert 'mlxfast:ssd_cache_entries{model_name="fake"} 7' in text
+    assert "mlxfast:ssd_cache_restored_blocks_total" in text and "mlxfast:ssd_cache_quarantined_total" in text
+    assert client.get("/stats", headers=auth).json()["engine"]["ssd"]["entries"] == 7

@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    p.add_argument("--ssd-cache", default=None, metavar="DIR",
+                   help="keep prefix-cache KV blocks on disk in DIR (survives restarts; off by default)")
+    p.add_argument("--ssd-cache-max", type=float, default=32.0, metavar="GB",
+                   help="byte cap of the SSD cache in GiB (oldest used blocks evicted)")
+    p.add_argument("--ssd-demote-idle", type=float, default=None, metavar="SECONDS",
+                   help="move cached blocks unused this long to the SSD cache and free their RAM")
+    p.add_argument("--ssd-cache-verify", action="store_true",
+                   help="check every restored block's data checksum (headers are always checked)")
+    p.add_argument("--ssd-flush-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on shutdown, wait this long for pending SSD cache writes")
     return p
 
 
@@ -71,7 +81,10 @@ def _engine_config(args):
     from .engine.config import EngineConfig
 
     wanted = {"max_num_seqs": args.max_batch, "kv_cache_gb": args.kv_cache_gb,
-              "max_model_len": args.max_model_len, "kv_quant": args.kv_quant}
+              "max_model_len": args.max_model_len, "kv_quant": args.kv_quant,
+              "ssd_cache_dir": args.ssd_cache, "ssd_cache_max_gb": args.ssd_cache_max,
+              "ssd_demote_idle_s": args.ssd_demote_idle, "ssd_cache_verify": args.ssd_cache_verify,
+              "ssd_flush_timeout_s": args.ssd_flush_timeout}
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
 

@@ -192,6 +192,7 @@ class SSDTier:
         self._lock = threading.Lock()  # counters read by other threads
         self.counters = {
             "restores": 0, "restored_blocks": 0, "restored_bytes": 0, "restore_seconds": 0.0,
+            "restore_read_seconds": 0.0, "read_bytes": 0,
             "restore_failures": 0, "spilled_blocks": 0, "write_behind_blocks": 0, "demoted_blocks": 0,
             "evicted_files": 0, "written_blocks": 0, "dropped_writes": 0, "failed_writes": 0,
         }
@@ -336,6 +337,8 @@ class SSDTier:
     def _finish_restore(self, res, add) -> None:
         job, n_total, n_ok, fail_name, fail_reason, fail_missing, seconds, nbytes, arrays = res
         seq, held, keys, t0, cancelled = self.restoring.pop(job)
+        self.counters["restore_read_seconds"] += seconds  # the reader thread's own time
+        self.counters["read_bytes"] += nbytes
         if fail_reason:
             bad = keys[n_ok]
             if bad in self.index:

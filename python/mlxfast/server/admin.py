@@ -1,7 +1,9 @@
-"""Operational routes: /health, /metrics, /stats, /tokenize, /detokenize."""
+"""Operational routes: /health, /metrics, /stats, /tokenize, /detokenize,
+POST /admin/cache/flush."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from fastapi import APIRouter, Request
@@ -69,6 +71,21 @@ async def stats(request: Request):
         "server": state.metrics.snapshot(),
         "engine": _jsonable(engine_stats),
     }
+
+
+@router.post("/admin/cache/flush")
+async def cache_flush(request: Request):
+    """Write every cached KV block to the SSD tier and wait until it is durable:
+    200 ``{durable: true, ...counters}``, else 503 with the counters."""
+    state = _state(request)
+    engine = state.require_ready()
+    try:
+        timeout = float(request.query_params.get("timeout", 60))
+    except ValueError:
+        raise bad_request("timeout must be a number of seconds", "timeout") from None
+    flush = getattr(engine, "flush_cache", None)
+    result = await asyncio.to_thread(flush, timeout) if flush else {"durable": True, "enabled": False}
+    return JSONResponse(_jsonable(result), status_code=200 if result.get("durable") else 503)
 
 
 @router.post("/tokenize")

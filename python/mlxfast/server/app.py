@@ -11,7 +11,7 @@ from . import admin, anthropic, openai
 from .errors import APIError, install_handlers, is_anthropic_path
 from .state import ServerState
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/stats")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/stats", "/admin/")
 
 
 class _Guard:

@@ -154,6 +154,35 @@ def merged_values(metrics: Metrics, engine_stats: dict | None) -> dict[str, floa
     return values
 
 
+_SSD = (  # (stats key, metric, type, help)
+    ("entries", "ssd_cache_entries", "gauge", "KV blocks stored in the SSD cache."),
+    ("bytes", "ssd_cache_bytes", "gauge", "Bytes of KV block files in the SSD cache."),
+    ("pending_writes", "ssd_cache_pending_writes", "gauge", "Block writes queued or in flight."),
+    ("restores", "ssd_cache_restores_total", "counter", "Requests whose prefix was restored from SSD."),
+    ("restored_blocks", "ssd_cache_restored_blocks_total", "counter", "KV blocks restored from SSD."),
+    ("restore_seconds", "ssd_cache_restore_seconds_total", "counter", "Time spent restoring from SSD."),
+    ("spilled_blocks", "ssd_cache_spilled_blocks_total", "counter", "Evicted RAM blocks written to SSD."),
+    ("write_behind_blocks", "ssd_cache_write_behind_blocks_total", "counter", "Cached blocks written behind."),
+    ("demoted_blocks", "ssd_cache_demoted_blocks_total", "counter", "Idle blocks moved from RAM to SSD."),
+    ("dropped_writes", "ssd_cache_dropped_writes_total", "counter", "Block writes dropped (queue over its cap)."),
+    ("failed_writes", "ssd_cache_failed_writes_total", "counter", "Block writes that failed (disk full, I/O)."),
+    ("quarantined", "ssd_cache_quarantined_total", "counter", "Bad or foreign block files moved aside."),
+    ("evicted_files", "ssd_cache_evicted_files_total", "counter", "Block files removed at the byte cap."),
+)
+
+
+def _ssd_lines(ssd, label: str) -> list[str]:
+    if not isinstance(ssd, dict) or not ssd.get("enabled"):
+        return []
+    out = []
+    for key, name, kind, help in _SSD:
+        v = _num(ssd.get(key))
+        if v is not None:
+            full = f"{PREFIX}:{name}"
+            out += [f"# HELP {full} {help}", f"# TYPE {full} {kind}", f"{full}{label} {v}"]
+    return out
+
+
 def render_prometheus(metrics: Metrics, engine_stats: dict | None, model_name: str) -> str:
     label = f'{{model_name="{model_name}"}}'
     lines: list[str] = []
@@ -166,6 +195,7 @@ def render_prometheus(metrics: Metrics, engine_stats: dict | None, model_name: s
     lines += [f"# HELP {full} Finished requests by finish reason.", f"# TYPE {full} counter"]
     for reason, n in sorted(snap["request_success_total"].items()):
         lines.append(f'{full}{{model_name="{model_name}",finished_reason="{reason}"}} {n}')
+    lines += _ssd_lines((engine_stats or {}).get("ssd"), label)
     with metrics._lock:
         lines += metrics.ttft.lines(f"{PREFIX}:time_to_first_token_seconds", "Time to first token.")
         lines += metrics.itl.lines(f"{PREFIX}:inter_token_latency_seconds", "Time between tokens.")
