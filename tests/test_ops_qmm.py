@@ -311,3 +311,24 @@ def test_neon_kernel_matches_portable_under_qemu(tmp_path):
     )
     out = subprocess.run(["qemu-aarch64", str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_env_var_forces_path():
+    import os
+    import sys
+
+    code = (
+        "import mlx.core as mx; from mlxfast import ops; "
+        "w = mx.random.normal((40, 64)); wq, s, b = mx.quantize(w, group_size=32, bits=4); "
+        "x = mx.random.normal((3, 64)); "
+        "y = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4); "
+        "r = mx.quantized_matmul(x, wq, s, b, group_size=32, bits=4); "
+        "print(ops.cpu_path(), mx.abs(y - r).max().item())"
+    )
+    for name in PATHS:
+        env = dict(os.environ, MLXFAST_CPU_PATH=name)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got_path, err = out.stdout.split()
+        assert got_path == name and float(err) < 1e-4
