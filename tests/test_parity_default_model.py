@@ -45,30 +45,42 @@ def ours(request, converted):
     return mlxfast.load(None if request.param == "gguf" else converted)
 
 
+SUFFIX = (" Sure. Here is a careful answer with some detail, examples and code where useful:\n"
+          "1. First,\n2. Second,\n3. Third, and `print(42)` to finish.")
+
+
 def _teacher_forced_ids(tokenizer, prompt):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    text += " Sure. Here is a careful answer with some detail, examples and code where useful:\n1. First,\n2. Second,\n3. Third, and `print(42)` to finish."
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    # tokenize=False is what mlx-lm's HF tokenizer needs; ours renders text anyway.
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text + SUFFIX, add_special_tokens=False)
     assert len(ids) >= 64
     return ids[:64]
 
 
-def test_teacher_forced_logits_match(ours, oracle):
-    model, tok = ours
+@pytest.fixture(scope="module")
+def reference(oracle):
+    """mlx-lm's token ids and logits for each prompt, computed once."""
     ref_model, ref_tok = oracle
+    out = {}
+    for prompt in PROMPTS:
+        ids = _teacher_forced_ids(ref_tok, prompt)
+        logits = ref_model(mx.array([ids]))[0]
+        mx.eval(logits)
+        out[prompt] = (ids, logits)
+    return out
+
+
+def test_teacher_forced_logits_match(ours, reference):
+    model, tok = ours
     worst = 0.0
     for prompt in PROMPTS:
+        want_ids, want = reference[prompt]
         ids = _teacher_forced_ids(tok, prompt)
-        # Both tokenizers agree on the prompt (checked here, not assumed).
-        ref_text = ref_tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, tokenize=False)
-        assert ref_tok.encode(ref_text, add_special_tokens=False) == ids[: len(ref_tok.encode(ref_text, add_special_tokens=False))]
-        x = mx.array([ids])
-        got = model(x, DenseKVCache(len(model.layers)))[0]
-        want = ref_model(x)[0]
+        assert ids == want_ids  # both tokenizers agree (checked, not assumed)
+        got = model(mx.array([ids]), DenseKVCache(len(model.layers)))[0]
         assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item(), prompt
-        rel = (mx.abs(got - want).max() / mx.abs(want).max()).item()
-        worst = max(worst, rel)
+        worst = max(worst, (mx.abs(got - want).max() / mx.abs(want).max()).item())
     print(f"max |dlogit| / max |logit| = {worst:.2e}")
     assert worst <= 0.01
 
