@@ -224,7 +224,7 @@ void gemv(const Args& a) {
       }
     }
   };
-  par(units, 1, body);
+  par_dynamic(units, units / (8 * pool_size()), body);
 }
 
 // ---------------------------------------------------------------- GEMM ----
@@ -408,36 +408,37 @@ void gemm(const Args& a) {
   const int64_t NB = ceil_div(N, kNR);
   const int64_t kc_max = (kKC / a.group_size) * a.group_size;
   const int64_t pc = kABlockBytes / (K * kMR * 4) > 1 ? kABlockBytes / (K * kMR * 4) : 1;
-  auto body = [pa, ap, K, M, N, P, kc_max, pc](int64_t b0, int64_t b1) {
+  auto body = [pa, ap, K, M, N, P, kc_max, pc, NB](int64_t t0, int64_t t1) {
     const Args& a = *pa;
     const int64_t G = K / a.group_size;
     float* bp = tl_w.get(static_cast<size_t>(kc_max * kNR));
     float* sb = tl_t.get(static_cast<size_t>(2 * kNR * G));
     float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * kMR * kNR)) : nullptr;
-    for (int64_t pb = 0; pb < P; pb += pc) {
+    // Task t: weight panel t % NB against activation row block t / NB (pc
+    // panels, small enough to stay in L2 while the panels pass over it).
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pb = (t / NB) * pc;
       const int64_t pe = pb + pc < P ? pb + pc : P;
-      for (int64_t nb = b0; nb < b1; ++nb) {
-        const int64_t n0 = nb * kNR;
-        const int64_t nc = N - n0 < kNR ? N - n0 : kNR;
-        load_sb(a, n0, sb);
-        for (int64_t kb = 0; kb < K; kb += kc_max) {
-          const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
-          if (a.bits == 4) {
-            dequant_panel<4>(a, n0, kb, ke, bp, sb);
-          } else {
-            dequant_panel<8>(a, n0, kb, ke, bp, sb);
-          }
-          for (int64_t p = pb; p < pe; ++p) {
-            int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
-            micro_6x16(ap + p * K * kMR + kb * kMR, bp, ke - kb,
-                       cs ? cs + p * kMR * kNR : nullptr, kb == 0, ke == K, a, p * kMR,
-                       n0, mr, nc);
-          }
+      const int64_t n0 = (t % NB) * kNR;
+      const int64_t nc = N - n0 < kNR ? N - n0 : kNR;
+      load_sb(a, n0, sb);
+      for (int64_t kb = 0; kb < K; kb += kc_max) {
+        const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
+        if (a.bits == 4) {
+          dequant_panel<4>(a, n0, kb, ke, bp, sb);
+        } else {
+          dequant_panel<8>(a, n0, kb, ke, bp, sb);
+        }
+        for (int64_t p = pb; p < pe; ++p) {
+          int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
+          micro_6x16(ap + p * K * kMR + kb * kMR, bp, ke - kb,
+                      cs ? cs + p * kMR * kNR : nullptr, kb == 0, ke == K, a, p * kMR, n0,
+                      mr, nc);
         }
       }
     }
   };
-  par(NB, 1, body);
+  par_dynamic(ceil_div(P, pc) * NB, 1, body);
 }
 
 } // namespace
