@@ -10,8 +10,10 @@ Two halves with one job each:
   blocks first, then cached blocks, least recently freed first, and within one
   freed sequence its tail before its head (a shared prefix outlives the
   suffixes hanging off it).
-* ``KVPool`` — the MLX storage: per layer one K and one V array of shape
-  ``[num_blocks * block_size, n_kv_heads, head_dim]`` (block ``b`` owns slots
+* ``KVPool`` — the MLX storage, in the format of its KV scheme
+  (``kv/schemes.py``): dense K and V arrays ``[num_blocks * block_size,
+  n_kv_heads, head_dim]``, or one packed quantized K|V array per layer
+  ``[num_blocks * block_size, n_kv_heads, row_bytes]`` (block ``b`` owns slots
   ``b*bs .. b*bs+bs-1``). ``write`` scatters new K/V into slots in place: MLX
   donates the pool's buffer to the scatter when the pool array holds the only
   reference, which ``KVPool`` guarantees by rebinding its own list entry and
