@@ -145,7 +145,18 @@ struct Scratch {
     }
     return p;
   }
+  // Drop a buffer above max_floats (a one-off long prefill should not pin
+  // its packed activations for the life of the process).
+  void trim(size_t max_floats) {
+    if (cap > max_floats) {
+      std::free(p);
+      p = nullptr;
+      cap = 0;
+    }
+  }
 };
+
+constexpr size_t kKeepScratchFloats = size_t(16) << 20;  // 64 MiB
 
 template <class F>
 inline void par(int64_t n, int64_t grain, F& f) {

@@ -439,6 +439,7 @@ void gemm(const Args& a) {
     }
   };
   par_dynamic(ceil_div(P, pc) * NB, 1, body);
+  tl_x.trim(kKeepScratchFloats);
 }
 
 } // namespace
