@@ -192,8 +192,8 @@ class SSDTier:
         self._lock = threading.Lock()  # counters read by other threads
         self.counters = {
             "restores": 0, "restored_blocks": 0, "restored_bytes": 0, "restore_seconds": 0.0,
-            "restore_read_seconds": 0.0, "read_bytes": 0,
-            "restore_failures": 0, "spilled_blocks": 0, "write_behind_blocks": 0, "demoted_blocks": 0,
+            "restore_read_seconds": 0.0, "restore_copy_seconds": 0.0, "read_bytes": 0,
+            "restore_failures": 0, "submit_seconds": 0.0, "spilled_blocks": 0, "write_behind_blocks": 0, "demoted_blocks": 0,
             "evicted_files": 0, "written_blocks": 0, "dropped_writes": 0, "failed_writes": 0,
         }
         self._failed_at_flush = 0
@@ -225,12 +225,14 @@ class SSDTier:
         """Copy blocks out of the pool now and queue their files."""
         if not items:
             return
+        t0 = time.perf_counter()
         arrays = self._gather([b for b, _ in items])
         keys = [k for _, k in items]
         names = [k.hex() + ".kv" for k in keys]
         self.writer.submit(names, keys, [self.bs] * len(items), self.ns_hash, self.layout, arrays, self.bs)
         for k in keys:
             self.pending[k] = self.block_bytes
+        self.counters["submit_seconds"] += time.perf_counter() - t0  # engine-thread cost of writes
 
     def spill_evicted(self) -> None:
         """Before the step writes into freshly allocated blocks: save the cached
@@ -245,15 +247,18 @@ class SSDTier:
 
     def _write_dirty(self, limit: int | None, debounce: bool) -> int:
         now = time.monotonic()
-        items = []
-        for key, (block, t) in list(self.dirty.items()):
-            if limit is not None and len(items) >= limit:
+        picked = []
+        for key, (block, t) in self.dirty.items():
+            if limit is not None and len(picked) >= limit:
                 break
             if debounce and now - t < self.debounce_s:
                 break  # registration order: the rest are younger
+            picked.append((key, block))
+        items = []
+        for key, block in picked:
             del self.dirty[key]
             if self.alloc.hash_of[block] != key or key in self.index or key in self.pending:
-                continue
+                continue  # evicted (then spilled), or already on its way
             items.append((block, key))
         self._submit(items)
         return len(items)
@@ -353,6 +358,7 @@ class SSDTier:
             return
         n = min(n_ok, max(0, self.alloc.num_free - 1))
         if n > 0:
+            tc = time.perf_counter()
             blocks = self.alloc.allocate(n)
             self.spill_evicted()  # blocks just evicted for these: save them before overwriting
             bs = self.bs
@@ -362,6 +368,7 @@ class SSDTier:
             for a, src in zip(pool_arrays, arrays):
                 a[rows] = src[: n * bs] if n < n_ok else src
             mx.eval(pool_arrays)
+            self.counters["restore_copy_seconds"] += time.perf_counter() - tc
             for b, h in zip(blocks, keys[:n]):
                 self.alloc.register(b, h)
             held = held + blocks
