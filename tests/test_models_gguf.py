@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
-from tiny_gguf import roundtrip, write_tiny_gguf
+from tiny_gguf import roundtrip, write_kquant_gguf, write_tiny_gguf
 from tiny_models import make_tiny_model
 
 from mlxfast.kv import DenseKVCache
@@ -29,7 +29,7 @@ def _gguf_model(path):
     return build_model(config, weights, quant), config, quant
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, qtype, tied):
     src = make_tiny_model(tmp_path / "src", "llama", tie_word_embeddings=tied)
@@ -47,15 +47,48 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, qtype, tied):
 
     model, gcfg, quant = _gguf_model(tmp_path / "m.gguf")
     assert gcfg["tie_word_embeddings"] == tied
-    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+    if qtype not in (Q.F32, Q.F16, Q.BF16):
         q = model.model.layers[0].self_attn.q_proj
         assert isinstance(q, QuantizedLinear) and q.group_size == 32
-        assert q.bits == (8 if qtype == Q.Q8_0 else 4)
+        assert q.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
     got = model(TOKENS, DenseKVCache(len(model.layers)))
     want = ref(TOKENS)
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     assert err < 1e-4, err
     assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_k_quants_match_gguf_dequantizer(tmp_path, qtype):
+    """K-quant tensors (what most GGUF files hold): Q4_K/Q5_K become exact
+    affine groups, Q6_K fp16; the model computes with gguf's own values."""
+    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    src = make_tiny_model(tmp_path / "src", "llama", tie_word_embeddings=False, **dims)
+    config = json.loads((src / "config.json").read_text())
+    weights = {k: np.array(v) for k, v in mx.load(str(src / "model.safetensors")).items()}
+    oracle_weights = write_kquant_gguf(tmp_path / "m.gguf", config, weights, qtype)
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    mx.save_safetensors(str(ref_dir / "model.safetensors"), {k: mx.array(v) for k, v in oracle_weights.items()})
+    (ref_dir / "config.json").write_text(json.dumps(config))
+    ref, _ = load_model(ref_dir)
+    model, _, _ = _gguf_model(tmp_path / "m.gguf")
+    up = model.model.layers[0].mlp.up_proj
+    if qtype == Q.Q6_K:
+        assert up.weight.dtype == mx.float16
+    else:
+        assert isinstance(up, QuantizedLinear) and up.bits == (4 if qtype == Q.Q4_K else 8)
+    got, want = model(TOKENS, DenseKVCache(len(model.layers))), ref(TOKENS)
+    assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 1e-3
+
+
+def test_unloadable_tensor_types_are_named(tmp_path):
+    src = make_tiny_model(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512)
+    config = json.loads((src / "config.json").read_text())
+    weights = {k: np.array(v) for k, v in mx.load(str(src / "model.safetensors")).items()}
+    write_kquant_gguf(tmp_path / "m.gguf", config, weights, Q.Q2_K)
+    with pytest.raises(ValueError, match="is Q2_K, which cannot be loaded yet.*Q4_K"):
+        gguf.read_gguf(tmp_path / "m.gguf")
 
 
 def test_unsupported_gguf_architecture_lists_supported(tmp_path):

@@ -42,9 +42,57 @@ def roundtrip(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return quants.dequantize(quants.quantize(w, qtype), qtype).reshape(w.shape)
 
 
+# K-quant blocks: where their fp16 super-block scales sit (byte offsets).
+_K_SCALE_OFFSETS = {
+    GGMLQuantizationType.Q4_K: (0, 2),  # d, dmin, then scales and quants
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),  # quants and scales, then d
+    GGMLQuantizationType.Q2_K: (80, 82),  # scales and quants, then d, dmin
+}
+
+
+def random_kquant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
+    """Random but well-formed K-quant data (gguf cannot quantize K types)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in _K_SCALE_OFFSETS[qtype]:
+        scale = rng.uniform(0.002, 0.01, size=(rows, cols // block)).astype(np.float16)
+        data[:, :, off:off + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return data.reshape(rows, -1)
+
+
+def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_kquant_gguf(path: Path, config: dict, weights: dict[str, np.ndarray], qtype,
+                      seed: int = 0) -> dict[str, np.ndarray]:
+    """Write every 2-D weight as random K-quant data; return the fp32 values
+    each weight holds in HF layout (the oracle's weights), per gguf's own
+    dequantizer."""
+    rng = np.random.default_rng(seed)
+    raw, oracle = {}, {}
+    for name, arr in weights.items():
+        if arr.ndim != 2:
+            oracle[name] = raw[name] = np.asarray(arr, np.float32)
+            continue
+        data = random_kquant(*arr.shape, qtype, rng)
+        values = quants.dequantize(data, qtype).reshape(arr.shape).astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            values = llama_cpp_unpermute(values, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            values = llama_cpp_unpermute(values, config["num_key_value_heads"])
+        raw[name], oracle[name] = data, values
+    write_tiny_gguf(path, config, raw, qtype, raw=True)
+    return oracle
+
+
 def write_tiny_gguf(path: Path, config: dict, weights: dict[str, np.ndarray],
-                    qtype: GGMLQuantizationType, arch: str = "llama") -> None:
-    """Write HF-named fp32 numpy weights as a llama.cpp-style GGUF file."""
+                    qtype: GGMLQuantizationType, arch: str = "llama", raw: bool = False) -> None:
+    """Write HF-named fp32 numpy weights as a llama.cpp-style GGUF file
+    (``raw``: 2-D weights are already qtype data in GGUF layout)."""
     w = GGUFWriter(str(path), arch)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -57,6 +105,9 @@ def write_tiny_gguf(path: Path, config: dict, weights: dict[str, np.ndarray],
     w.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     w.add_vocab_size(config["vocab_size"])
     for name, arr in weights.items():
+        if raw and arr.ndim == 2:
+            w.add_tensor(gguf_name(name), arr, raw_dtype=qtype)
+            continue
         arr = np.asarray(arr, dtype=np.float32)
         if name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, config["num_attention_heads"])

@@ -1,18 +1,21 @@
 """GGUF (llama.cpp) files: metadata to an HF-style config, tensor names to
 HF names, and undoing llama.cpp's q/k row permutation.
 
-``mx.load`` reads the file: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
-groups of 32 (``weight`` uint32 + ``scales`` + ``biases``), F32/F16/BF16 as
-they are, other types converted to fp16.
+``gguf_file`` reads the file with every offset checked; ``gguf_quants``
+turns block formats into MLX affine groups of 32 (exactly, where the format
+is affine per 32 weights) or fp16. MLX's own GGUF reader is not used: it
+crashes on damaged headers and its Q4_K conversion is wrong (both measured).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import mlx.core as mx
 
-from .gguf_check import check_gguf
+from .gguf_file import GGUFFile
+from .gguf_quants import convert_tensor
 from .registry import GGUF_ARCHITECTURES
 
 GGUF_GROUP_SIZE = 32
@@ -39,20 +42,30 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias|scales|biases)$")
 _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias|scales|biases)$")
 
 
-def read_gguf(path: str) -> tuple[dict, dict]:
-    """``(tensors, metadata)`` from a GGUF file, with a clear error if it is damaged."""
-    check_gguf(path)
-    try:
-        return mx.load(str(path), format="gguf", return_metadata=True)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+def read_gguf(path: str | Path) -> tuple[dict, dict]:
+    """``(tensors, metadata)`` from a GGUF file, with a clear ValueError if it
+    is damaged or holds a tensor type that cannot be loaded.
+
+    Tensors are named as ``mx.load`` names them (``<name>.weight`` plus
+    ``.scales``/``.biases`` for quantized ones)."""
+    f = GGUFFile(path)
+    tensors = {}
+    for info in f.tensors.values():
+        base, dot, kind = info.name.rpartition(".")
+        converted = convert_tensor(info.type_name, f.tensor_bytes(info), info.shape, info.name)
+        if kind != "weight" and "scales" in converted:
+            raise ValueError(f"{path}: quantized tensor {info.name!r} is not a weight")
+        if kind != "weight":
+            tensors[info.name] = converted["weight"]
+            continue
+        for part, arr in converted.items():
+            tensors[f"{base}{dot}{part}"] = arr
+    return tensors, f.metadata
 
 
 def _scalar(meta: dict, key: str, default=None):
     v = meta.get(key, default)
-    if isinstance(v, mx.array):
-        return v.item()
-    return v
+    return v.item() if hasattr(v, "item") else v
 
 
 def gguf_config(meta: dict) -> dict:
