@@ -267,3 +267,20 @@ def test_flush_route_and_metrics(fake_client):
     assert 'mlxfast:ssd_cache_entries{model_name="fake"} 7' in text
     assert "mlxfast:ssd_cache_restored_blocks_total" in text and "mlxfast:ssd_cache_quarantined_total" in text
     assert client.get("/stats", headers=auth).json()["engine"]["ssd"]["entries"] == 7
+
+
+def test_shutdown_flushes_without_an_explicit_flush(model, tmp_path):
+    p = prompt(11, 90)
+    e = engine(model, ssd_cache_dir=str(tmp_path))
+    try:
+        e.ssd.debounce_s = 60.0  # nothing written behind before the shutdown
+        ask(e, p)
+    finally:
+        e.shutdown()
+    assert len(files(tmp_path)) >= 90 // BS and not list(tmp_path.glob("ns-*/*.tmp"))
+    e = engine(model, ssd_cache_dir=str(tmp_path))
+    try:
+        toks, fin = ask(e, p + [4])
+    finally:
+        e.shutdown()
+    assert fin.cached_tokens == 90 // BS * BS and toks == cold(model, p + [4])

@@ -280,6 +280,7 @@ void KVWriter::run() {
         dir_dirty_ = true;
       }
       done_.push_back(std::move(c));
+      if (idle_locked()) idle_cv_.notify_all();  // e.g. after a failed write
     }
     if (sync_now) {
       int e = fsync_dir(dir_);
@@ -289,6 +290,7 @@ void KVWriter::run() {
       renames_since_sync_ = 0;
       // still dirty only if more renames happened meanwhile (none: one thread)
       dir_dirty_ = false;
+      if (idle_locked()) idle_cv_.notify_all();
     }
   }
 }
