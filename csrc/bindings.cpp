@@ -9,6 +9,8 @@
 #include "common/thread_pool.h"
 #include "ops/quantized_matmul.h"
 #include "ops/silu_mul.h"
+#include "ops/rms_norm.h"
+#include "ops/rope.h"
 #include "ops/paged_attention.h"
 #include "ops/kv_quant.h"
 #include "io/bind_io.h"
@@ -33,6 +35,10 @@ NB_MODULE(_ext, m) {
       }, "name"_a);
   m.def("num_threads", &mlxfast::num_threads);
 
+  m.def("rms_norm", &mlxfast::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
+        "stream"_a = nb::none());
+  m.def("rope", &mlxfast::rope, "x"_a, "positions"_a, "dims"_a, "traditional"_a, "base"_a.none(),
+        "scale"_a, "freqs"_a.none(), nb::kw_only(), "stream"_a = nb::none());
   m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
         "stream"_a = nb::none());
   m.def("quantized_matmul", &mlxfast::quantized_matmul, "x"_a, "w"_a, "scales"_a,

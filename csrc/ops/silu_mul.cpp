@@ -4,6 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/dense_input.h"
 #include "common/thread_pool.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -43,10 +44,7 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up,
         "[mlxfast.silu_mul] dtype must be float32, float16 or bfloat16.");
   }
   auto stream = mx::to_stream(s);
-  // Kernels read dense row-major memory; contiguous() is a no-op when it is.
-  auto g = mx::contiguous(gate, false, stream);
-  auto u = mx::contiguous(up, false, stream);
-  return mx::array(g.shape(), dt, std::make_shared<SiluMul>(stream), {g, u});
+  return mx::array(gate.shape(), dt, std::make_shared<SiluMul>(stream), {gate, up});
 }
 
 void SiluMul::eval_cpu(const std::vector<mx::array>& inputs,
@@ -61,10 +59,14 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs,
   enc.set_output_array(out);
   int64_t n = out.size();
   auto dt = out.dtype();
-  const void* gp = g.data<void>();
-  const void* up = u.data<void>();
+  DenseInput gin = dense_input(g, enc);
+  DenseInput uin = dense_input(u, enc);
   void* op = out.data<void>();
   enc.dispatch([=]() {
+    gin.pack();
+    uin.pack();
+    const void* gp = gin.data;
+    const void* up = uin.data;
     if (dt == mx::float32) {
       silu_mul_impl(static_cast<const float*>(gp), static_cast<const float*>(up),
                     static_cast<float*>(op), n);

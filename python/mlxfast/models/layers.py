@@ -116,7 +116,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class RoPE(nn.Module):
@@ -139,16 +139,21 @@ class RoPE(nn.Module):
         else:
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
-    def __call__(self, x: mx.array, offset) -> mx.array:
-        if self._freqs is not None:
-            return mx.fast.rope(
-                x, self.dims, traditional=self.traditional, base=None,
-                scale=1.0, offset=offset, freqs=self._freqs,
-            )
-        return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=self.base,
-            scale=self.scale, offset=offset,
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x [..., H, D] with one int32 position per token (``positions`` = x.shape[:-2])."""
+        return ops.rope(
+            x, positions, self.dims, traditional=self.traditional,
+            base=None if self._freqs is not None else self.base,
+            scale=self.scale, freqs=self._freqs,
         )
+
+
+def token_positions(offsets, batch: int, length: int) -> mx.array:
+    """[batch, length] int32 positions from a cache's offsets (an int, or one per row)."""
+    if isinstance(offsets, int):
+        return mx.broadcast_to(mx.arange(offsets, offsets + length, dtype=mx.int32), (batch, length))
+    offsets = offsets.astype(mx.int32).reshape(batch, 1)
+    return offsets if length == 1 else offsets + mx.arange(length, dtype=mx.int32)
 
 
 def _llama3_freqs(dims: int, base: float, cfg: dict) -> mx.array:

@@ -1,9 +1,9 @@
 """The Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k norm).
 
 The model never knows how KV is stored: each attention layer hands its
-rotated q and new k/v to ``cache.attend(layer, q, k, v, scale)``, and reads
-positions from ``cache.offsets`` (an int, or an int32 array with one offset
-per batch row).
+rotated q and new k/v to ``cache.attend(layer, q, k, v, scale)``. Positions
+come from ``cache.offsets`` (an int, or an int32 array with one offset per
+batch row), turned into one position per token once per forward.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
-from .layers import Embedding, Linear, RMSNorm, RoPE
+from .layers import Embedding, Linear, RMSNorm, RoPE, token_positions
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, args.rms_norm_eps)
         self.rope = RoPE(hd, args.rope_theta, args.rope_scaling, args.rope_traditional)
 
-    def __call__(self, x: mx.array, cache) -> mx.array:
+    def __call__(self, x: mx.array, cache, positions: mx.array) -> mx.array:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -95,11 +95,9 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = q.transpose(0, 2, 1, 3)
-        k = k.transpose(0, 2, 1, 3)
+        q = self.rope(q, positions).transpose(0, 2, 1, 3)
+        k = self.rope(k, positions).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
-        q = self.rope(q, cache.offsets)
-        k = self.rope(k, cache.offsets)
         out = cache.attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -124,8 +122,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache, positions: mx.array) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -160,8 +158,9 @@ class Model(nn.Module):
         h = self.model.embed_tokens(tokens)
         if h.dtype != self.dtype:
             h = h.astype(self.dtype)
+        positions = token_positions(cache.offsets, *tokens.shape[:2])
         for layer in self.model.layers:
-            h = layer(h, cache)
+            h = layer(h, cache, positions)
         if logit_rows is not None:
             h = h.reshape(-1, h.shape[-1])[logit_rows]
         h = self.model.norm(h)

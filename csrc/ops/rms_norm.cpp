@@ -1,0 +1,113 @@
+#include "ops/rms_norm.h"
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+#include "common/dense_input.h"
+#include "common/thread_pool.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+namespace mlxfast {
+
+namespace {
+
+template <typename T, typename W>
+void rms_norm_rows(const T* x, const W* w, T* out, int64_t rows, int64_t d, float eps) {
+  parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)),
+               [=](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * d;
+      T* orow = out + r * d;
+      float ss = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+        float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+      for (int64_t i = 0; i < d; ++i) {
+        orow[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_weight(mx::Dtype wt, const void* w, const T* x, T* out, int64_t rows, int64_t d,
+                     float eps) {
+  switch (wt) {
+    case mx::float32: rms_norm_rows(x, static_cast<const float*>(w), out, rows, d, eps); break;
+    case mx::float16: rms_norm_rows(x, static_cast<const mx::float16_t*>(w), out, rows, d, eps); break;
+    default: rms_norm_rows(x, static_cast<const mx::bfloat16_t*>(w), out, rows, d, eps); break;
+  }
+}
+
+bool is_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+} // namespace
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
+  if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
+    std::ostringstream msg;
+    msg << "[mlxfast.rms_norm] weight must be [D] with D = x.shape[-1]; got x "
+        << x.shape() << " and weight " << weight.shape() << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  if (!is_float(x.dtype()) || !is_float(weight.dtype())) {
+    throw std::invalid_argument(
+        "[mlxfast.rms_norm] x and weight must be float32, float16 or bfloat16.");
+  }
+  if (!(eps >= 0.f)) {
+    throw std::invalid_argument("[mlxfast.rms_norm] eps must be >= 0.");
+  }
+  auto stream = mx::to_stream(s);
+  // The result has the promoted type, as mx.fast.rms_norm's does.
+  auto out_type = mx::promote_types(x.dtype(), weight.dtype());
+  auto xc = x.dtype() == out_type ? x : mx::astype(x, out_type, stream);
+  return mx::array(xc.shape(), out_type, std::make_shared<RmsNorm>(stream, eps), {xc, weight});
+}
+
+void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& x = inputs[0];
+  auto& w = inputs[1];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(x);
+  enc.set_input_array(w);
+  enc.set_output_array(out);
+  int64_t d = x.shape(-1);
+  int64_t rows = d ? x.size() / d : 0;
+  float eps = eps_;
+  DenseInput xin = dense_input(x, enc);
+  DenseInput win = dense_input(w, enc);
+  auto wt = w.dtype();
+  auto ot = out.dtype();
+  void* o = out.data<void>();
+  enc.dispatch([xin, win, wt, ot, o, rows, d, eps]() {
+    xin.pack();
+    win.pack();
+    switch (ot) {
+      case mx::float32:
+        dispatch_weight(wt, win.data, xin.as<float>(), static_cast<float*>(o), rows, d, eps);
+        break;
+      case mx::float16:
+        dispatch_weight(wt, win.data, xin.as<mx::float16_t>(), static_cast<mx::float16_t*>(o),
+                        rows, d, eps);
+        break;
+      default:
+        dispatch_weight(wt, win.data, xin.as<mx::bfloat16_t>(), static_cast<mx::bfloat16_t*>(o),
+                        rows, d, eps);
+        break;
+    }
+  });
+}
+
+void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxfast.rms_norm] no GPU kernel; mlxfast.ops uses mx.fast.rms_norm on GPU.");
+}
+
+} // namespace mlxfast

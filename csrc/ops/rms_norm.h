@@ -1,0 +1,36 @@
+// rms_norm(x, w, eps) = x / sqrt(mean(x^2) + eps) * w over the last axis.
+// MLX's fast::rms_norm has no CPU kernel: on the CPU it runs as ~10
+// primitives, once per norm, twice per layer. This is one.
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace mlxfast {
+
+namespace mx = mlx::core;
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
+                   mx::StreamOrDevice s = {});
+
+class RmsNorm : public mx::Primitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxfastRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+} // namespace mlxfast
