@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "common/cpu_features.h"
+#include "common/dense_input.h"
 #include "common/thread_pool.h"
 #include "cpu/qmm.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -35,34 +36,6 @@ qmm::DType to_qmm(mx::Dtype dt) {
   if (dt == mx::float32) return qmm::F32;
   if (dt == mx::float16) return qmm::F16;
   return qmm::BF16;
-}
-
-// Copies a strided array (any ndim, 2- or 4-byte elements) to dense
-// row-major memory.
-void pack_strided(const char* src, const std::vector<int64_t>& shape,
-                  const std::vector<int64_t>& strides, size_t es, char* dst) {
-  const int nd = static_cast<int>(shape.size());
-  int64_t total = 1;
-  for (auto d : shape) total *= d;
-  if (total == 0) return;
-  const int64_t inner = shape[nd - 1];
-  const int64_t istride = strides[nd - 1] * static_cast<int64_t>(es);
-  std::vector<int64_t> idx(nd, 0);
-  for (int64_t row = 0; row < total / inner; ++row) {
-    int64_t off = 0;
-    for (int d = 0; d < nd - 1; ++d) off += idx[d] * strides[d];
-    const char* p = src + off * static_cast<int64_t>(es);
-    if (es == 4) {
-      for (int64_t i = 0; i < inner; ++i) std::memcpy(dst + 4 * i, p + i * istride, 4);
-    } else {
-      for (int64_t i = 0; i < inner; ++i) std::memcpy(dst + 2 * i, p + i * istride, 2);
-    }
-    dst += inner * static_cast<int64_t>(es);
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
-    }
-  }
 }
 
 } // namespace
@@ -166,21 +139,10 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
     return;
   }
   CpuPath path = cpu_path();
-  std::vector<int64_t> xshape, xstrides;
-  const char* xsrc = nullptr;
-  size_t es = x.itemsize();
-  if (!x.flags().row_contiguous) {
-    mx::array xd(x.shape(), x.dtype(), nullptr, {});
-    xd.set_data(mx::allocator::malloc(x.nbytes()));
-    enc.add_temporary(xd);
-    xsrc = x.data<char>();
-    xshape.assign(x.shape().begin(), x.shape().end());
-    xstrides.assign(x.strides().begin(), x.strides().end());
-    a.x = xd.data<void>();
-  }
-  enc.dispatch([a, path, xsrc, xshape = std::move(xshape), xstrides = std::move(xstrides),
-                es]() {
-    if (xsrc) pack_strided(xsrc, xshape, xstrides, es, static_cast<char*>(const_cast<void*>(a.x)));
+  DenseInput xin = dense_input(x, enc);
+  a.x = xin.data;
+  enc.dispatch([a, path, xin]() {
+    xin.pack();
     switch (path) {
 #if defined(MLXFAST_X86)
       case CpuPath::Avx512: qmm::run_avx512(a); break;
