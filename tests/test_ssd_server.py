@@ -8,7 +8,6 @@ computed once and shared: one 4,000-token prompt (restart survival) and one
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
