@@ -1,8 +1,14 @@
 #include "io/kv_writer.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#elif defined(__APPLE__)
+#include <pthread/qos.h>
+#endif
 
 #include <cerrno>
 #include <chrono>
@@ -37,6 +43,22 @@ int write_all(int fd, std::vector<iovec> iov) {
 }
 
 constexpr int kRenamesPerDirSync = 64;
+
+// The writer is background work: it must not take CPU or disk time from
+// decoding. Lowest CPU priority for this thread (per-thread nice on Linux,
+// the background QoS class on macOS) and the lowest best-effort I/O priority.
+void lower_this_thread_priority() {
+#if defined(__linux__)
+  pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19);
+#ifdef SYS_ioprio_set
+  constexpr int kWhoProcess = 1, kClassBestEffort = 2, kClassShift = 13;
+  ::syscall(SYS_ioprio_set, kWhoProcess, tid, (kClassBestEffort << kClassShift) | 7);
+#endif
+#elif defined(__APPLE__)
+  pthread_set_qos_class_self_np(QOS_CLASS_BACKGROUND, 0);
+#endif
+}
 
 } // namespace
 
@@ -215,6 +237,7 @@ void KVWriter::do_write(Job& job, WriteCompletion& c) {
 }
 
 void KVWriter::run() {
+  lower_this_thread_priority();
   for (;;) {
     Job job;
     {

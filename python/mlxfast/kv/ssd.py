@@ -112,7 +112,7 @@ class SSDTier:
     def __init__(self, root: str | os.PathLike, namespace: str, pool, allocator, *,
                  max_bytes: int = 32 << 30, verify: bool = False, demote_idle_s: float | None = None,
                  debounce_s: float = 1.0, max_pending_bytes: int = 256 << 20,
-                 busy_write_bytes: int = 16 << 20, busy_write_interval_s: float = 0.25):
+                 busy_write_bytes: int = 8 << 20, busy_write_interval_s: float = 0.25):
         self.root = Path(root)
         self.pool = pool
         self.alloc = allocator
@@ -183,6 +183,7 @@ class SSDTier:
         self.restoring: dict[int, list] = {}  # read job id -> [seq, held blocks, keys, t0, cancelled]
         self.holds: list[tuple[object, list[int]]] = []  # (seq, blocks) held until admitted
         self.busy_write_blocks = max(1, busy_write_bytes // self.block_bytes)
+        self.busy_write_bytes = busy_write_bytes
         self._last_busy_write = 0.0
         self._last_demote = time.monotonic()
         self._fail_until = 0.0
@@ -431,7 +432,10 @@ class SSDTier:
         elif self.dirty and now >= self._fail_until:
             if not busy:
                 self.counters["write_behind_blocks"] += self._write_dirty(None, debounce=True)
-            elif now - self._last_busy_write >= self.busy_write_interval_s:
+            elif (now - self._last_busy_write >= self.busy_write_interval_s
+                  and self.writer.stats()["pending_bytes"] < self.busy_write_bytes):
+                # while decoding: small batches, and only when the writer has
+                # caught up (it runs at the lowest priority; never pile up)
                 self._last_busy_write = now
                 self.counters["write_behind_blocks"] += self._write_dirty(self.busy_write_blocks, debounce=True)
         if self.demote_idle_s and now - self._last_demote >= min(1.0, self.demote_idle_s / 4):
