@@ -411,6 +411,7 @@ struct Kernels {
     float* kblk = qf + static_cast<size_t>(rows) * D;      // [bs, D]
     float* vblk = kblk + static_cast<size_t>(bs) * D;      // [bs, D]
     float* sc = vblk + static_cast<size_t>(bs) * D;        // [rows, bs]
+    float* kT = sc + static_cast<size_t>(rows) * bs;       // [D, bs]
     uint8_t codes[pa::kMaxHeadDim];
     float cbp[16] = {0};
     if (f.vturbo) std::memcpy(cbp, a.codebook, sizeof(float) * (1 << f.vbits));
@@ -455,15 +456,36 @@ struct Kernels {
       for (int i = 0; i < nk; ++i)
         decode_affine(base + i * rowb, D, f.kbits, f.group, kblk + static_cast<size_t>(i) * D, codes);
       // scores
-      for (int j = 0; j < nq; ++j)
-        for (int g = 0; g < G; ++g) {
-          const int r = j * G + g;
-          const float* qr = qf + static_cast<size_t>(r) * D;
-          float* sr = sc + static_cast<size_t>(r) * bs;
-          for (int i = 0; i < nk; ++i)
-            sr[i] = key0 + i <= qpos[j] ? dotw<W>(qr, kblk + static_cast<size_t>(i) * D, D)
-                                        : -INFINITY;
-        }
+      if (rows >= 8) {
+        // many rows (prefill tiles): K tile transposed to [D][nk], scores of
+        // all nk keys at once per row -- vectorized over keys, no reductions
+        for (int i = 0; i < nk; ++i)
+          for (int d = 0; d < D; ++d) kT[d * nk + i] = kblk[static_cast<size_t>(i) * D + d];
+        for (int j = 0; j < nq; ++j)
+          for (int g = 0; g < G; ++g) {
+            const int r = j * G + g;
+            const float* qr = qf + static_cast<size_t>(r) * D;
+            float* sr = sc + static_cast<size_t>(r) * bs;
+            for (int i = 0; i < nk; ++i) sr[i] = 0.f;
+            for (int d = 0; d < D; ++d) {
+              const float qd = qr[d];
+              const float* kd = kT + d * nk;
+              for (int i = 0; i < nk; ++i) sr[i] += qd * kd[i];
+            }
+            for (int i = 0; i < nk; ++i)
+              if (key0 + i > qpos[j]) sr[i] = -INFINITY;
+          }
+      } else {
+        for (int j = 0; j < nq; ++j)
+          for (int g = 0; g < G; ++g) {
+            const int r = j * G + g;
+            const float* qr = qf + static_cast<size_t>(r) * D;
+            float* sr = sc + static_cast<size_t>(r) * bs;
+            for (int i = 0; i < nk; ++i)
+              sr[i] = key0 + i <= qpos[j] ? dotw<W>(qr, kblk + static_cast<size_t>(i) * D, D)
+                                          : -INFINITY;
+          }
+      }
       // values of the block (rotated domain for TurboQuant)
       for (int i = 0; i < nk; ++i) {
         const uint8_t* vp = base + i * rowb + f.kbytes;
@@ -512,7 +534,7 @@ struct Kernels {
     const Ctx& c = *static_cast<const Ctx*>(vctx);
     const AttnArgs& a = *c.a;
     const int G = a.Hq / a.Hkv, D = a.f.D;
-    size_t n = static_cast<size_t>(pa::kTile) * G * (D + a.bs) + 2 * static_cast<size_t>(a.bs) * D + 64;
+    size_t n = static_cast<size_t>(pa::kTile) * G * (D + a.bs) + 3 * static_cast<size_t>(a.bs) * D + 64;
     float* scratch = static_cast<float*>(std::malloc(n * sizeof(float)));
     for (int64_t k = b; k < e; ++k)
       for (int64_t i = c.bucket[k]; i < c.bucket[k + 1]; ++i) run_item(c, c.items[c.order[i]], scratch);
