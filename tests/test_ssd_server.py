@@ -115,6 +115,9 @@ def crash_dir(tmp_path_factory):
     c = Proc(d)
     try:
         cold_text, _ = c.complete(q)
+        deadline = time.time() + 30
+        while len(block_files(d)) < 8 and time.time() < deadline:  # some written behind
+            time.sleep(0.05)
         flusher = threading.Thread(target=_quiet(c.flush), daemon=True)
         flusher.start()
         time.sleep(0.05)  # writes of the blocks not yet written behind are in flight
