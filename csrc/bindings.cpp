@@ -11,6 +11,7 @@
 #include "ops/silu_mul.h"
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
+#include "ops/kv_write.h"
 #include "ops/paged_attention.h"
 #include "ops/kv_quant.h"
 #include "io/bind_io.h"
@@ -39,6 +40,8 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none());
   m.def("rope", &mlxfast::rope, "x"_a, "positions"_a, "dims"_a, "traditional"_a, "base"_a.none(),
         "scale"_a, "freqs"_a.none(), nb::kw_only(), "stream"_a = nb::none());
+  m.def("kv_write", &mlxfast::kv_write, "pool"_a, "slots"_a, "values"_a, nb::kw_only(),
+        "stream"_a = nb::none());
   m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
         "stream"_a = nb::none());
   m.def("quantized_matmul", &mlxfast::quantized_matmul, "x"_a, "w"_a, "scales"_a,

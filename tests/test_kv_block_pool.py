@@ -100,5 +100,6 @@ def test_second_reference_forces_a_copy_not_corruption():
     pool.write(0, mx.array([1]), mx.ones((1, 1, 8)), mx.ones((1, 1, 8)))
     mx.eval(pool.arrays())
     assert float(pool.keys[0][1].sum()) == 8.0
-    assert pool.keys[0] is held  # __setitem__ rebinds the same Python object
     assert before.sum() == 0
+    # The outside reference kept its contents: the write copied, it did not donate.
+    assert pool.keys[0] is not held and float(held.sum()) == 0.0

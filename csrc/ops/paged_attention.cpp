@@ -1,5 +1,7 @@
 #include "ops/paged_attention.h"
 
+#include "common/dense_input.h"
+
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -70,9 +72,9 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
       positions.shape(0) != T || seq_idx.dtype() != mx::int32 || positions.dtype() != mx::int32)
     fail(op, "seq_idx and positions must be int32 [T] arrays.");
   auto stream = mx::to_stream(s);
-  std::vector<mx::array> in;
-  for (auto* a : {&q, &k_pool, &v_pool, &block_tables, &seq_idx, &positions})
-    in.push_back(mx::contiguous(*a, false, stream));
+  // Inputs go in as they are: eval_cpu packs any strided one (DenseInput)
+  // instead of adding a Contiguous node per input per call.
+  std::vector<mx::array> in = {q, k_pool, v_pool, block_tables, seq_idx, positions};
   mx::Shape shape = {static_cast<int>(T), Hq, v_pool.shape(2)};
   return mx::array(shape, q.dtype(), std::make_shared<PagedAttention>(stream, scale, block_size),
                    std::move(in));
@@ -89,14 +91,16 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+  std::vector<DenseInput> dense;
+  for (auto& x : inputs) dense.push_back(dense_input(x, enc));
   pa::Args a;
-  a.q = inputs[0].data<void>();
-  a.k = inputs[1].data<void>();
-  a.v = inputs[2].data<void>();
+  a.q = dense[0].data;
+  a.k = dense[1].data;
+  a.v = dense[2].data;
   a.out = out.data<void>();
-  a.tables = inputs[3].data<int32_t>();
-  a.seq_idx = inputs[4].data<int32_t>();
-  a.pos = inputs[5].data<int32_t>();
+  a.tables = dense[3].as<int32_t>();
+  a.seq_idx = dense[4].as<int32_t>();
+  a.pos = dense[5].as<int32_t>();
   a.T = inputs[0].shape(0);
   a.S = inputs[3].shape(0);
   a.B = inputs[3].shape(1);
@@ -111,7 +115,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
   a.kv_dtype = to_pa(inputs[1].dtype());
   if (a.T == 0 || a.Hq == 0) return;
   CpuPath path = cpu_path();
-  enc.dispatch([a, path]() {
+  enc.dispatch([a, path, dense = std::move(dense)]() {
+    for (auto& d : dense) d.pack();
     switch (path) {
 #if defined(MLXFAST_X86)
       case CpuPath::Avx512: pa::run_avx512(a); break;
@@ -136,13 +141,11 @@ mx::array paged_gather(const mx::array& pool, const mx::array& block_tables, int
   if (block_tables.ndim() != 2 || block_tables.dtype() != mx::int32)
     fail(op, "block_tables must be an int32 [S, B] array.");
   auto stream = mx::to_stream(s);
-  auto p = mx::contiguous(pool, false, stream);
-  auto t = mx::contiguous(block_tables, false, stream);
   mx::Shape shape = pool.shape();
   shape[0] = block_tables.shape(1) * block_size;
   shape.insert(shape.begin(), block_tables.shape(0));
   return mx::array(shape, pool.dtype(), std::make_shared<PagedGather>(stream, block_size),
-                   {p, t});
+                   {pool, block_tables});
 }
 
 std::vector<mx::Shape> PagedGather::output_shapes(const std::vector<mx::array>& inputs) {
@@ -165,11 +168,15 @@ void PagedGather::eval_cpu(const std::vector<mx::array>& inputs,
   const int64_t n_blocks_pool = pool.shape(0) / block_size_;
   const int64_t block_bytes = pool.nbytes() / (n_blocks_pool > 0 ? n_blocks_pool : 1);
   const int64_t n = tables.size();
-  const char* src = pool.data<char>();
+  DenseInput pin = dense_input(pool, enc);
+  DenseInput tin = dense_input(tables, enc);
   char* dst = out.data<char>();
-  const int32_t* tb = tables.data<int32_t>();
   if (n == 0) return;
   enc.dispatch([=]() {
+    pin.pack();
+    tin.pack();
+    const char* src = static_cast<const char*>(pin.data);
+    const int32_t* tb = tin.as<int32_t>();
     parallel_for(n, 64, [=](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         int64_t blk = tb[i];

@@ -119,6 +119,25 @@ def rope(x: mx.array, positions: mx.array, dims: int, *, traditional: bool = Fal
     return rope_reference(x, positions, dims, traditional=traditional, base=base, scale=scale, freqs=freqs)
 
 
+def kv_write_reference(pool: mx.array, slots: mx.array, values: mx.array) -> mx.array:
+    """Pure-MLX ``pool[slots] = values`` (returns the updated pool)."""
+    pool[slots] = values
+    return pool
+
+
+def kv_write(pool: mx.array, slots: mx.array, values: mx.array, *, stream=None) -> mx.array:
+    """``pool`` with rows ``slots`` replaced by ``values``, as one primitive.
+
+    pool [S, ...], slots [T] int32, values [T, ...] with pool's dtype and
+    trailing shape. Rebind the pool to the result and keep no other reference
+    to the old one: then the write happens in place (MLX donates the buffer);
+    otherwise the pool is copied. Out-of-range slots are ignored.
+    """
+    if _on_cpu(stream):
+        return _ext.kv_write(pool, slots, values, stream=stream)
+    return kv_write_reference(pool, slots, values)
+
+
 def quantized_matmul_reference(
     x: mx.array,
     w: mx.array,

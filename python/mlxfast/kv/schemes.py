@@ -121,11 +121,10 @@ class DenseScheme(KVScheme):
         return self.keys + self.values
 
     def write(self, layer, slots, k, v):
-        # __setitem__ rebinds the list entry to the scatter's output; the
-        # previous array is then referenced only by the graph, so the scatter
-        # may reuse its buffer.
-        self.keys[layer][slots] = k
-        self.values[layer][slots] = v
+        # Rebinding the list entry to the result leaves the previous array
+        # referenced only by the graph, so the write reuses its buffer.
+        self.keys[layer] = self._ops.kv_write(self.keys[layer], slots, k.astype(self.keys[layer].dtype))
+        self.values[layer] = self._ops.kv_write(self.values[layer], slots, v.astype(self.values[layer].dtype))
 
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
         return self._ops.paged_attention(q, self.keys[layer], self.values[layer], block_tables,

@@ -1,0 +1,52 @@
+"""kv_write: rows written in place when the pool can be donated, copied otherwise."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxfast import ops
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint8])
+def test_matches_indexed_assignment(dtype):
+    pool = (mx.random.normal((32, 3, 8)) * 10).astype(dtype)
+    slots = mx.array([5, 0, 31, 7], dtype=mx.int32)
+    values = (mx.random.normal((4, 3, 8)) * 10).astype(dtype)
+    want = ops.kv_write_reference(mx.array(pool), slots, values)
+    got = ops.kv_write(pool, slots, values)
+    assert mx.array_equal(got, want).item()
+
+
+def test_in_place_when_donated_and_memory_stays_flat():
+    pool = mx.zeros((4096, 4, 64))
+    mx.eval(pool)
+    base = mx.get_active_memory()
+    for i in range(8):
+        pool = ops.kv_write(pool, mx.array([i], dtype=mx.int32), mx.full((1, 4, 64), i + 1.0))
+        mx.eval(pool)
+    assert mx.get_active_memory() - base < pool.nbytes // 2
+    assert np.array(pool[:9, 0, 0]).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 0]
+
+
+def test_copies_when_another_reference_exists():
+    pool = mx.zeros((16, 2))
+    mx.eval(pool)
+    held = pool
+    new = ops.kv_write(pool, mx.array([3], dtype=mx.int32), mx.ones((1, 2)))
+    mx.eval(new)
+    assert float(new.sum()) == 2.0 and float(held.sum()) == 0.0
+
+
+def test_out_of_range_slots_never_write_outside():
+    pool = mx.zeros((8, 2))
+    got = ops.kv_write(pool, mx.array([-1, 8, 1000, 2], dtype=mx.int32), mx.ones((4, 2)))
+    assert np.array(got).sum() == 2.0 and float(got[2].sum()) == 2.0
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError, match="trailing shape"):
+        ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int32), mx.zeros((1, 3)))
+    with pytest.raises(ValueError, match="int32"):
+        ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int64), mx.zeros((1, 2)))
+    with pytest.raises(ValueError, match="dtype"):
+        ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int32), mx.zeros((1, 2), mx.float16))
