@@ -12,6 +12,7 @@
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
 #include "ops/kv_write.h"
+#include "ops/qkv_rope.h"
 #include "ops/paged_attention.h"
 #include "ops/kv_quant.h"
 #include "io/bind_io.h"
@@ -41,6 +42,11 @@ NB_MODULE(_ext, m) {
   m.def("rope", &mlxfast::rope, "x"_a, "positions"_a, "dims"_a, "traditional"_a, "base"_a.none(),
         "scale"_a, "freqs"_a.none(), nb::kw_only(), "stream"_a = nb::none());
   m.def("kv_write", &mlxfast::kv_write, "pool"_a, "slots"_a, "values"_a, nb::kw_only(),
+        "stream"_a = nb::none());
+  m.def("qkv_rope", &mlxfast::qkv_rope, "qkv"_a, "positions"_a, "n_heads"_a, "n_kv_heads"_a,
+        "head_dim"_a, "dims"_a, "traditional"_a, "base"_a.none(), "scale"_a, "freqs"_a.none(),
+        "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none());
+  m.def("silu_mul_halves", &mlxfast::silu_mul_halves, "gate_up"_a, nb::kw_only(),
         "stream"_a = nb::none());
   m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
         "stream"_a = nb::none());

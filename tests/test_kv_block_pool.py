@@ -80,8 +80,8 @@ def test_pool_writes_reuse_the_buffer(native):
         ctx = PagedContext(pool, [SeqSlice(list(range(8)), step, 1), SeqSlice([8, 9], 3 + step, 1)],
                            native=native)
         for layer in range(2):
-            q = mx.ones((2, 4, 1, 64))
-            k = mx.full((2, 2, 1, 64), float(step))
+            q = mx.ones((2, 1, 4, 64))
+            k = mx.full((2, 1, 2, 64), float(step))
             out = ctx.attend(layer, q, k, k, 0.125)
         mx.eval(out)
         del out, ctx

@@ -67,7 +67,7 @@ def run_context(seqs, k_pool, v_pool, q, k_new, v_new, bs, native):
     pool.keys[0], pool.values[0] = mx.array(k_pool), mx.array(v_pool)
     ctx = PagedContext(pool, seqs, native=native)
     T = q.shape[0]
-    out = ctx.attend(0, q[:, :, None], k_new[:, :, None], v_new[:, :, None], 0.3)
+    out = ctx.attend(0, q[:, None], k_new[:, None], v_new[:, None], 0.3)
     mx.eval(out)
     return out.reshape(T, q.shape[1], D), pool.keys[0], pool.values[0]
 

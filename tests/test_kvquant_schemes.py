@@ -150,7 +150,7 @@ def test_paged_context_over_quant_pool_matches_naive(quant, native):
     slots = mx.arange(32 * bs)
     pool.write(0, slots, mx.random.normal((32 * bs, Hkv, D)), mx.random.normal((32 * bs, Hkv, D)))
     T = sum(s.n for s in seqs)
-    q, k, v = (mx.random.normal((T, h, 1, D)) for h in (Hq, Hkv, Hkv))
+    q, k, v = (mx.random.normal((T, 1, h, D)) for h in (Hq, Hkv, Hkv))
     out = PagedContext(pool, seqs, native=native).attend(0, q, k, v, 0.125)
     kd, vd = ops.kv_quant_dequant_reference(pool.arrays()[0], pool.spec.fmt, pool.scheme.signs[0])
     seq_idx = [i for i, s in enumerate(seqs) for _ in range(s.n)]

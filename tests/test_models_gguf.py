@@ -48,9 +48,9 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, qtype, tied):
     model, gcfg, quant = _gguf_model(tmp_path / "m.gguf")
     assert gcfg["tie_word_embeddings"] == tied
     if qtype not in (Q.F32, Q.F16, Q.BF16):
-        q = model.model.layers[0].self_attn.q_proj
-        assert isinstance(q, QuantizedLinear) and q.group_size == 32
-        assert q.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, QuantizedLinear) and qkv.group_size == 32
+        assert qkv.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
     got = model(TOKENS, DenseKVCache(len(model.layers)))
     want = ref(TOKENS)
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
@@ -73,11 +73,11 @@ def test_k_quants_match_gguf_dequantizer(tmp_path, qtype):
     (ref_dir / "config.json").write_text(json.dumps(config))
     ref, _ = load_model(ref_dir)
     model, _, _ = _gguf_model(tmp_path / "m.gguf")
-    up = model.model.layers[0].mlp.up_proj
+    gate_up = model.model.layers[0].mlp.gate_up_proj
     if qtype == Q.Q6_K:
-        assert up.weight.dtype == mx.float16
+        assert gate_up.weight.dtype == mx.float16
     else:
-        assert isinstance(up, QuantizedLinear) and up.bits == (4 if qtype == Q.Q4_K else 8)
+        assert isinstance(gate_up, QuantizedLinear) and gate_up.bits == (4 if qtype == Q.Q4_K else 8)
     got, want = model(TOKENS, DenseKVCache(len(model.layers))), ref(TOKENS)
     assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 1e-3
 

@@ -89,9 +89,20 @@ def test_quantized_layers_are_quantized(tmp_path):
 
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert model.model.embed_tokens.bits == 8
-    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantizedLinear)
-    assert model.model.layers[0].self_attn.q_proj.bits == 4
+    qkv = model.model.layers[0].self_attn.qkv_proj  # q/k/v fused at load
+    assert isinstance(qkv, QuantizedLinear) and qkv.bits == 4
+    assert qkv.weight.shape[0] == (4 + 2 * 2) * 32  # qwen3 tiny: 4 q heads, 2 kv heads, head_dim 32
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantizedLinear)
     assert isinstance(model.lm_head, Linear)
+
+
+def test_unlike_projections_stay_separate(tmp_path):
+    quant = {"group_size": 32, "bits": 4, "model.layers.0.self_attn.k_proj": {"group_size": 32, "bits": 8}}
+    path = make_tiny_model(tmp_path / "m", "llama", quantize=quant)
+    model = _build(path)
+    attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    assert "qkv_proj" not in attn0 and attn0.k_proj.bits == 8
+    assert "qkv_proj" in attn1
 
 
 def test_load_hf_dir_returns_model_and_tokenizer(tmp_path):

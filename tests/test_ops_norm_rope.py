@@ -86,3 +86,32 @@ def test_rope_rejects_bad_input():
         ops.rope(x, mx.zeros((2, 3), mx.int32), 63)
     with pytest.raises(ValueError, match="weight"):
         ops.rms_norm(x, mx.zeros((32,)), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("Hq,Hkv,D,dims", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 2, 128, 128)])
+def test_qkv_rope_matches_reference(dtype, norm, Hq, Hkv, D, dims):
+    qkv = mx.random.normal((2, 3, (Hq + 2 * Hkv) * D)).astype(dtype)
+    positions = mx.array([[0, 1, 2], [40, 41, 900]], dtype=mx.int32)
+    kw = {}
+    if norm:
+        kw = dict(q_norm=mx.random.normal((D,)).astype(dtype), k_norm=mx.random.normal((D,)).astype(dtype), eps=1e-6)
+    got = ops.qkv_rope(qkv, positions, Hq, Hkv, D, dims, **kw)
+    want = ops.qkv_rope_reference(qkv, positions, Hq, Hkv, D, dims, **kw)
+    tol = max(TOL[dtype] * 8, 3e-4)
+    for g, w, h in zip(got, want, (Hq, Hkv, Hkv)):
+        assert g.shape == (2, 3, h, D) and g.dtype == dtype
+        assert mx.allclose(g.astype(mx.float32), w.astype(mx.float32), atol=tol, rtol=tol).item()
+    # Without norms, the split-and-rotate equals rope on the separate heads.
+    if not norm:
+        q_heads = qkv.reshape(2, 3, Hq + 2 * Hkv, D)[:, :, :Hq]
+        assert mx.allclose(got[0].astype(mx.float32), ops.rope(q_heads, positions, dims).astype(mx.float32),
+                           atol=tol, rtol=tol).item()
+
+
+def test_qkv_rope_rejects_bad_input():
+    with pytest.raises(ValueError, match="last axis"):
+        ops.qkv_rope(mx.zeros((2, 100)), mx.zeros((2,), mx.int32), 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        ops.qkv_rope(mx.zeros((2, 128)), mx.zeros((2,), mx.int32), 4, 2, 16, 16, q_norm=mx.ones((16,)))

@@ -44,3 +44,16 @@ def test_cpu_path_reported_and_forcible():
     assert ops.cpu_path() == before
     with pytest.raises(ValueError):
         ops.set_cpu_path("sse9")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(2,), (7, 26), (2, 3, 3072)])
+def test_silu_mul_halves_matches_reference(shape, dtype):
+    x = (mx.random.normal(shape) * 4).astype(dtype)
+    got = ops.silu_mul_halves(x)
+    ref = ops.silu_mul_halves_reference(x.astype(mx.float32))
+    assert got.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == dtype
+    err = mx.abs(got.astype(mx.float32) - ref) / (1 + mx.abs(ref))
+    assert err.max().item() <= TOL[dtype]
+    with pytest.raises(ValueError, match="even"):
+        ops.silu_mul_halves(mx.zeros((3, 5)))

@@ -7,6 +7,7 @@
 
 #include "common/dense_input.h"
 #include "common/thread_pool.h"
+#include "cpu/rope_rotate.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
@@ -22,24 +23,10 @@ void rope_tokens(const T* x, const int32_t* pos, const float* inv_freq, T* out, 
                [=](int64_t b, int64_t e) {
     std::vector<float> cs(half), sn(half);
     for (int64_t t = b; t < e; ++t) {
-      float p = static_cast<float>(pos[t]) * scale;
-      for (int i = 0; i < half; ++i) {
-        float a = p * inv_freq[i];
-        cs[i] = std::cos(a);
-        sn[i] = std::sin(a);
-      }
+      rope_detail::angles(static_cast<float>(pos[t]) * scale, inv_freq, half, cs.data(), sn.data());
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + (t * heads + h) * d;
-        T* o = out + (t * heads + h) * d;
-        for (int i = 0; i < half; ++i) {
-          int i0 = traditional ? 2 * i : i;
-          int i1 = traditional ? 2 * i + 1 : i + half;
-          float x0 = static_cast<float>(xr[i0]);
-          float x1 = static_cast<float>(xr[i1]);
-          o[i0] = static_cast<T>(x0 * cs[i] - x1 * sn[i]);
-          o[i1] = static_cast<T>(x0 * sn[i] + x1 * cs[i]);
-        }
-        for (int64_t i = dims; i < d; ++i) o[i] = xr[i];
+        rope_detail::rotate_head(x + (t * heads + h) * d, out + (t * heads + h) * d, d, dims,
+                                 traditional, cs.data(), sn.data(), nullptr);
       }
     }
   });
@@ -86,11 +73,6 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
 
-  const int half = dims_ / 2;
-  std::vector<float> inv_freq(half);
-  for (int i = 0; i < half && !has_freqs_; ++i) {
-    inv_freq[i] = std::pow(base_, -2.0f * static_cast<float>(i) / static_cast<float>(dims_));
-  }
   DenseInput xin = dense_input(x, enc);
   DenseInput pin = dense_input(pos, enc);
   DenseInput fin;
@@ -104,14 +86,13 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   bool has_freqs = has_freqs_;
   auto dt = x.dtype();
   void* o = out.data<void>();
-  enc.dispatch([xin, pin, fin, has_freqs, o, dt, inv_freq, tokens, heads, d, dims, traditional,
-                scale]() mutable {
+  float base = base_;
+  enc.dispatch([xin, pin, fin, has_freqs, o, dt, base, tokens, heads, d, dims, traditional,
+                scale]() {
     xin.pack();
     pin.pack();
-    if (has_freqs) {
-      fin.pack();
-      for (int i = 0; i < dims / 2; ++i) inv_freq[i] = 1.0f / fin.as<float>()[i];
-    }
+    fin.pack();
+    auto inv_freq = rope_detail::inverse_frequencies(dims, base, has_freqs ? fin.as<float>() : nullptr);
     const int32_t* p = pin.as<int32_t>();
     switch (dt) {
       case mx::float32:

@@ -13,19 +13,30 @@ namespace mx = mlx::core;
 mx::array silu_mul(const mx::array& gate, const mx::array& up,
                    mx::StreamOrDevice s = {});
 
+// The same with gate and up as the two halves of one array's last axis (the
+// output of a fused gate/up projection): [..., 2M] -> [..., M].
+mx::array silu_mul_halves(const mx::array& gate_up, mx::StreamOrDevice s = {});
+
 class SiluMul : public mx::Primitive {
  public:
-  explicit SiluMul(mx::Stream stream) : mx::Primitive(stream) {}
+  SiluMul(mx::Stream stream, bool halves) : mx::Primitive(stream), halves_(halves) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   const char* name() const override { return "SiluMul"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return halves_ == static_cast<const SiluMul&>(other).halves_;
+  }
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    auto shape = inputs[0].shape();
+    if (halves_) shape.back() /= 2;
+    return {shape};
   }
+
+ private:
+  bool halves_;
 };
 
 } // namespace mlxfast

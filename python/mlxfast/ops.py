@@ -119,6 +119,56 @@ def rope(x: mx.array, positions: mx.array, dims: int, *, traditional: bool = Fal
     return rope_reference(x, positions, dims, traditional=traditional, base=base, scale=scale, freqs=freqs)
 
 
+def silu_mul_halves_reference(gate_up: mx.array) -> mx.array:
+    """Pure-MLX ``silu(gate) * up`` for ``gate_up = concat([gate, up], -1)``."""
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    return silu_mul_reference(gate, up)
+
+
+def silu_mul_halves(gate_up: mx.array, *, stream=None) -> mx.array:
+    """``silu_mul`` of the two halves of the last axis ([..., 2M] -> [..., M]):
+    the output of a fused gate/up projection, without splitting it first."""
+    if _on_cpu(stream):
+        return _ext.silu_mul_halves(gate_up, stream=stream)
+    return silu_mul_halves_reference(gate_up)
+
+
+def qkv_rope_reference(qkv, positions, n_heads, n_kv_heads, head_dim, dims, *, traditional=False,
+                       base=10000.0, scale=1.0, freqs=None, q_norm=None, k_norm=None, eps=1e-6):
+    """Pure-MLX ``qkv_rope``: split, optional per-head RMSNorm, RoPE."""
+    lead = qkv.shape[:-1]
+    x = qkv.reshape(*lead, n_heads + 2 * n_kv_heads, head_dim)
+    q, k, v = x[..., :n_heads, :], x[..., n_heads:n_heads + n_kv_heads, :], x[..., n_heads + n_kv_heads:, :]
+    if q_norm is not None:
+        q = mx.fast.rms_norm(q.astype(mx.float32), q_norm.astype(mx.float32), eps)
+        k = mx.fast.rms_norm(k.astype(mx.float32), k_norm.astype(mx.float32), eps)
+    kw = dict(traditional=traditional, base=base, scale=scale, freqs=freqs)
+    return (rope_reference(q, positions, dims, **kw).astype(qkv.dtype),
+            rope_reference(k, positions, dims, **kw).astype(qkv.dtype), v)
+
+
+def qkv_rope(qkv: mx.array, positions: mx.array, n_heads: int, n_kv_heads: int, head_dim: int,
+             dims: int, *, traditional: bool = False, base: float | None = 10000.0,
+             scale: float = 1.0, freqs: mx.array | None = None, q_norm: mx.array | None = None,
+             k_norm: mx.array | None = None, eps: float = 1e-6, stream=None):
+    """The attention block's input side as one primitive: ``(q, k, v)``.
+
+    qkv [..., (n_heads + 2*n_kv_heads) * head_dim] is a fused projection's
+    output (q heads, k heads, v heads); positions int32 [...] (one per token).
+    Returns q [..., n_heads, head_dim] and k [..., n_kv_heads, head_dim] after
+    the optional per-head RMSNorm (``q_norm``/``k_norm`` [head_dim], qwen3) and
+    RoPE (as ``rope``), and v [..., n_kv_heads, head_dim] as it is.
+    """
+    if freqs is not None:
+        base = None
+    if _on_cpu(stream):
+        return tuple(_ext.qkv_rope(qkv, positions, n_heads, n_kv_heads, head_dim, dims, traditional,
+                                   base, scale, freqs, q_norm, k_norm, eps, stream=stream))
+    return qkv_rope_reference(qkv, positions, n_heads, n_kv_heads, head_dim, dims,
+                              traditional=traditional, base=base, scale=scale, freqs=freqs,
+                              q_norm=q_norm, k_norm=k_norm, eps=eps)
+
+
 def kv_write_reference(pool: mx.array, slots: mx.array, values: mx.array) -> mx.array:
     """Pure-MLX ``pool[slots] = values`` (returns the updated pool)."""
     pool[slots] = values

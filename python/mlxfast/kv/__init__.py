@@ -1,5 +1,6 @@
-"""KV storage schemes. A model only ever calls ``cache.attend(layer, q, k, v, scale)``
-and reads ``cache.offsets``; how K/V are stored is the scheme's business."""
+"""KV storage. A model only ever calls ``cache.attend(layer, q, k, v, scale)``
+(q [B, L, Hq, D] after RoPE, k/v [B, L, Hkv, D]; returns [B, L, Hq, D]) and
+reads ``cache.offsets``; how K/V are stored is the cache's business."""
 
 from .dense import DenseKVCache
 

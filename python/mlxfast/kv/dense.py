@@ -22,7 +22,9 @@ class DenseKVCache:
         return self.offset
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """Store k/v [B, Hkv, L, D] after the cached tokens; attend q [B, Hq, L, D]."""
+        """Store k/v [B, L, Hkv, D] after the cached tokens; attend q [B, L, Hq, D]
+        -> [B, L, Hq, D]."""
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         B, H, L, D = k.shape
         start, end = self.offset, self.offset + L
         keys, values = self.keys[layer], self.values[layer]
@@ -38,9 +40,10 @@ class DenseKVCache:
         values[..., start:end, :] = v
         self.keys[layer], self.values[layer] = keys, values
         mask = "causal" if L > 1 else None
-        return mx.fast.scaled_dot_product_attention(
+        out = mx.fast.scaled_dot_product_attention(
             q, keys[..., :end, :], values[..., :end, :], scale=scale, mask=mask
         )
+        return out.transpose(0, 2, 1, 3)
 
     def advance(self, n: int) -> None:
         """Mark n more tokens as stored (call after each forward)."""

@@ -125,11 +125,11 @@ class PagedContext:
 
     # -- the model's protocol ------------------------------------------------
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q [T, Hq, 1, D], k/v [T, Hkv, 1, D] -> [T, Hq, 1, D]."""
-        T, Hq, L, D = q.shape
+        """q [T, 1, Hq, D], k/v [T, 1, Hkv, D] -> [T, 1, Hq, D]."""
+        T, L, Hq, D = q.shape
         if L != 1 or T != self.T:
-            raise ValueError(f"paged attention expects [{self.T}, H, 1, D] rows, got {q.shape}")
-        Hkv = k.shape[1]
+            raise ValueError(f"paged attention expects [{self.T}, 1, H, D] rows, got {q.shape}")
+        Hkv = k.shape[2]
         pool = self.pool
         scheme = pool.scheme
         scheme.write(layer, self.slots, k.reshape(T, Hkv, D), v.reshape(T, Hkv, v.shape[-1]))
@@ -139,7 +139,7 @@ class PagedContext:
                                          scale=scale, block_size=pool.block_size)
         else:
             out = self._reference(q, scheme, layer, scale)
-        return out.reshape(T, Hq, 1, -1)
+        return out.reshape(T, 1, Hq, -1)
 
     def _reference(self, q, scheme, layer, scale):
         T, Hq, D = q.shape

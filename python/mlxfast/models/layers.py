@@ -65,6 +65,34 @@ class QuantizedLinear(nn.Module):
         return y
 
 
+def fuse_linears(layers: list) -> "Linear | QuantizedLinear | None":
+    """One layer computing all of ``layers`` side by side (their outputs
+    concatenated), or None when they differ in kind, quantization or dtype.
+    One matmul streams the shared input once and costs one dispatch."""
+    first = layers[0]
+    if any(type(layer) is not type(first) for layer in layers):
+        return None
+    if any(("bias" in layer) != ("bias" in first) for layer in layers):
+        return None
+    names = ["weight", "bias"] if isinstance(first, Linear) else ["weight", "scales", "biases", "bias"]
+    names = [n for n in names if n in first]
+    if any(layer[n].dtype != first[n].dtype for layer in layers for n in names):
+        return None
+    in_dims = first.weight.shape[1]
+    out_dims = sum(layer.weight.shape[0] for layer in layers)
+    if isinstance(first, QuantizedLinear):
+        if any((layer.bits, layer.group_size) != (first.bits, first.group_size) for layer in layers):
+            return None
+        fused = QuantizedLinear(in_dims * 32 // first.bits, out_dims, "bias" in first,
+                                first.group_size, first.bits)
+    elif isinstance(first, Linear):
+        fused = Linear(in_dims, out_dims, "bias" in first)
+    else:
+        return None
+    fused.update({n: mx.concatenate([layer[n] for layer in layers], axis=0) for n in names})
+    return fused
+
+
 class Embedding(nn.Module):
     def __init__(self, num: int, dims: int):
         super().__init__()

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
-from .layers import Embedding, Linear, RMSNorm, RoPE, token_positions
+from .layers import Embedding, Linear, RMSNorm, RoPE, fuse_linears, token_positions
 
 
 @dataclass
@@ -87,19 +87,39 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, args.rms_norm_eps)
         self.rope = RoPE(hd, args.rope_theta, args.rope_scaling, args.rope_traditional)
 
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one (when they are alike)."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                self.pop(name)
+            self.qkv_proj = fused
+
     def __call__(self, x: mx.array, cache, positions: mx.array) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        if "q_norm" in self:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = self.rope(q, positions).transpose(0, 2, 1, 3)
-        k = self.rope(k, positions).transpose(0, 2, 1, 3)
-        v = v.transpose(0, 2, 1, 3)
+        if "qkv_proj" in self:
+            q, k, v = self._fused_qkv(self.qkv_proj(x), positions)
+        else:
+            q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+            k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+            v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+            if "q_norm" in self:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q, k = self.rope(q, positions), self.rope(k, positions)
         out = cache.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(out.reshape(B, L, -1))
+
+    def _fused_qkv(self, qkv: mx.array, positions: mx.array):
+        rope = self.rope
+        norms = {}
+        if "q_norm" in self:
+            norms = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, eps=self.q_norm.eps)
+        return ops.qkv_rope(
+            qkv, positions, self.n_heads, self.n_kv_heads, self.head_dim, rope.dims,
+            traditional=rope.traditional, base=rope.base, scale=rope.scale, freqs=rope._freqs,
+            **norms,
+        )
 
 
 class MLP(nn.Module):
@@ -110,7 +130,17 @@ class MLP(nn.Module):
         self.up_proj = Linear(h, m, bias=args.mlp_bias)
         self.down_proj = Linear(m, h, bias=args.mlp_bias)
 
+    def fuse(self) -> None:
+        """Replace gate/up projections by one (when they are alike)."""
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.pop("gate_proj")
+            self.pop("up_proj")
+            self.gate_up_proj = fused
+
     def __call__(self, x: mx.array) -> mx.array:
+        if "gate_up_proj" in self:
+            return self.down_proj(ops.silu_mul_halves(self.gate_up_proj(x)))
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -167,6 +197,12 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up projections (after the weights are loaded)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @property
     def dtype(self) -> mx.Dtype:

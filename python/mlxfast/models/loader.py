@@ -157,6 +157,7 @@ def build_model(config: dict, weights: dict, quantization: dict, source: str = "
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise ValueError(f"{source}: weights do not match the {args.model_type} architecture: {e}") from None
+    model.fuse_projections()
     model.eval()
     mx.eval(model.parameters())
     return model
