@@ -1,49 +1,76 @@
-"""Contiguous per-sequence KV: the simplest scheme, for one-shot generation.
+"""Contiguous per-sequence KV: the simplest cache, for one-shot generation.
 
-All rows of a batch share one length (no padding). Storage grows in steps so
-that appending a token is a slice write, not a concatenation.
+All rows of a batch share one length (no padding). Each layer's K and V live
+in one array of ``batch * capacity`` slots, row b owning the contiguous slots
+``[b*capacity, (b+1)*capacity)``: attention is the paged kernel over blocks
+laid out in order, and writes are in-place ``kv_write``s. Capacity grows in
+whole blocks.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import ops
+
 
 class DenseKVCache:
-    step = 256
+    block = 256  # growth step, and the attention kernel's block size
 
     def __init__(self, num_layers: int):
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.offset = 0  # tokens already stored (before the current forward)
+        self._meta: dict = {}
 
     @property
     def offsets(self) -> int:
         return self.offset
 
+    def _step_meta(self, B: int, L: int, cap: int):
+        """Slots, block tables, query rows and positions for this forward (shared by layers)."""
+        key = (B, L, self.offset, cap)
+        if key not in self._meta:
+            rows = mx.arange(B, dtype=mx.int32)
+            pos = mx.arange(self.offset, self.offset + L, dtype=mx.int32)
+            nb = cap // self.block
+            self._meta = {key: (
+                (rows[:, None] * cap + pos[None, :]).reshape(-1),
+                rows[:, None] * nb + mx.arange(nb, dtype=mx.int32)[None, :],
+                mx.repeat(rows, L),
+                mx.broadcast_to(pos[None, :], (B, L)).reshape(-1),
+            )}
+        return self._meta[key]
+
+    def _grow(self, layer: int, B: int, k: mx.array, v: mx.array, need: int) -> None:
+        cap = -(-need // self.block) * self.block
+        H = k.shape[2]
+        new_k = mx.zeros((B, cap, H, k.shape[-1]), k.dtype)
+        new_v = mx.zeros((B, cap, H, v.shape[-1]), v.dtype)
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if old_k is not None:
+            old = old_k.shape[0] // B
+            new_k[:, :old] = old_k.reshape(B, old, H, -1)
+            new_v[:, :old] = old_v.reshape(B, old, H, -1)
+        self.keys[layer] = new_k.reshape(B * cap, H, -1)
+        self.values[layer] = new_v.reshape(B * cap, H, -1)
+
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """Store k/v [B, L, Hkv, D] after the cached tokens; attend q [B, L, Hq, D]
         -> [B, L, Hq, D]."""
-        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-        B, H, L, D = k.shape
-        start, end = self.offset, self.offset + L
-        keys, values = self.keys[layer], self.values[layer]
-        if keys is None or end > keys.shape[2]:
-            grow = ((end + self.step - 1) // self.step) * self.step
-            new_k = mx.zeros((B, H, grow, D), k.dtype)
-            new_v = mx.zeros((B, H, grow, v.shape[-1]), v.dtype)
-            if keys is not None and start > 0:
-                new_k[..., :start, :] = keys[..., :start, :]
-                new_v[..., :start, :] = values[..., :start, :]
-            keys, values = new_k, new_v
-        keys[..., start:end, :] = k
-        values[..., start:end, :] = v
-        self.keys[layer], self.values[layer] = keys, values
-        mask = "causal" if L > 1 else None
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys[..., :end, :], values[..., :end, :], scale=scale, mask=mask
+        B, L, H, _ = k.shape
+        end = self.offset + L
+        if self.keys[layer] is None or end > self.keys[layer].shape[0] // B:
+            self._grow(layer, B, k, v, end)
+        cap = self.keys[layer].shape[0] // B
+        slots, tables, seq_idx, positions = self._step_meta(B, L, cap)
+        self.keys[layer] = ops.kv_write(self.keys[layer], slots, k.reshape(B * L, H, -1))
+        self.values[layer] = ops.kv_write(self.values[layer], slots, v.reshape(B * L, H, -1))
+        out = ops.paged_attention(
+            q.reshape(B * L, q.shape[2], -1), self.keys[layer], self.values[layer], tables,
+            seq_idx, positions, scale=scale, block_size=self.block,
         )
-        return out.transpose(0, 2, 1, 3)
+        return out.reshape(B, L, q.shape[2], -1)
 
     def advance(self, n: int) -> None:
         """Mark n more tokens as stored (call after each forward)."""
