@@ -164,7 +164,7 @@ def test_corrupt_and_foreign_files_are_quarantined(model, tmp_path):
         e2.shutdown()
     foreign = files(tmp_path / "other")[0]
     shutil.copy(foreign, fs[0].parent / ("ab" * 16 + ".kv"))
-    e = engine(model, ssd_cache_dir=str(tmp_path), ssd_cache_verify=True)
+    e = engine(model, ssd_cache_dir=str(tmp_path))  # data checksums are verified by default
     try:
         assert e.stats()["ssd"]["quarantined"] == 3  # header, truncation, foreign: at scan
         toks, fin = ask(e, p + [3, 4])

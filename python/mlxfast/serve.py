@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="byte cap of the SSD cache in GiB (oldest used blocks evicted)")
     p.add_argument("--ssd-demote-idle", type=float, default=None, metavar="SECONDS",
                    help="move cached blocks unused this long to the SSD cache and free their RAM")
-    p.add_argument("--ssd-cache-verify", action="store_true",
-                   help="check every restored block's data checksum (headers are always checked)")
+    p.add_argument("--ssd-cache-verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="check every restored block's data checksum (default on: a flipped "
+                        "data byte must never be served; headers are always checked)")
     p.add_argument("--ssd-flush-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on shutdown, wait this long for pending SSD cache writes")
     return p

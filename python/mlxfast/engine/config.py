@@ -29,5 +29,5 @@ class EngineConfig:
     ssd_cache_dir: str | None = None
     ssd_cache_max_gb: float = 32.0  # byte cap of the block files, oldest used evicted
     ssd_demote_idle_s: float | None = None  # spill free cached blocks idle this long, free their RAM
-    ssd_cache_verify: bool = False  # check each block's data checksum on restore (header: always)
+    ssd_cache_verify: bool = True  # check each block's data checksum on restore (header: always)
     ssd_flush_timeout_s: float = 30.0  # on shutdown: wait this long for pending writes

@@ -110,7 +110,7 @@ class SSDTier:
     except ``request_flush``/``wait_flushed``/``stats`` (any thread)."""
 
     def __init__(self, root: str | os.PathLike, namespace: str, pool, allocator, *,
-                 max_bytes: int = 32 << 30, verify: bool = False, demote_idle_s: float | None = None,
+                 max_bytes: int = 32 << 30, verify: bool = True, demote_idle_s: float | None = None,
                  debounce_s: float = 1.0, max_pending_bytes: int = 256 << 20,
                  busy_write_bytes: int = 8 << 20, busy_write_interval_s: float = 0.25):
         self.root = Path(root)
