@@ -254,6 +254,7 @@ void parallel(int64_t n, int64_t, void (*fn)(void*, int64_t, int64_t), void* ctx
   for (int64_t b = 0; b < n; b += per) fn(ctx, b, b + per < n ? b + per : n);
 }
 }}
+using namespace mlxfast;
 using namespace mlxfast::qmm;
 int main() {
   std::mt19937 rng(1);
