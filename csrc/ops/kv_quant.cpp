@@ -3,6 +3,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/op_checks.h"
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
 #include "cpu/kv_quant.h"
@@ -16,14 +17,6 @@ int threads_for_kernels() { return num_threads(); }
 } // namespace kvq
 
 namespace {
-
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw std::invalid_argument(std::string("[mlxfast.") + op + "] " + what);
-}
-
-bool is_float(mx::Dtype dt) {
-  return dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16;
-}
 
 pa::DType to_pa(mx::Dtype dt) {
   if (dt == mx::float32) return pa::F32;

@@ -1,5 +1,6 @@
 #include "ops/paged_attention.h"
 
+#include "common/op_checks.h"
 #include "common/dense_input.h"
 
 #include <cstring>
@@ -21,14 +22,6 @@ void parallel(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_t), voi
 } // namespace pa
 
 namespace {
-
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw std::invalid_argument(std::string("[mlxfast.") + op + "] " + what);
-}
-
-bool is_float(mx::Dtype dt) {
-  return dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16;
-}
 
 pa::DType to_pa(mx::Dtype dt) {
   if (dt == mx::float32) return pa::F32;

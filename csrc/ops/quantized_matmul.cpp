@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/op_checks.h"
 #include "common/cpu_features.h"
 #include "common/dense_input.h"
 #include "common/thread_pool.h"
@@ -26,10 +27,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) {
   throw std::invalid_argument("[mlxfast.quantized_matmul] " + what);
-}
-
-bool is_float(mx::Dtype dt) {
-  return dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16;
 }
 
 qmm::DType to_qmm(mx::Dtype dt) {

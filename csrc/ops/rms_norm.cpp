@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "common/dense_input.h"
+#include "common/op_checks.h"
 #include "common/thread_pool.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -41,10 +42,6 @@ void dispatch_weight(mx::Dtype wt, const void* w, const T* x, T* out, int64_t ro
     case mx::float16: rms_norm_rows(x, static_cast<const mx::float16_t*>(w), out, rows, d, eps); break;
     default: rms_norm_rows(x, static_cast<const mx::bfloat16_t*>(w), out, rows, d, eps); break;
   }
-}
-
-bool is_float(mx::Dtype t) {
-  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
 } // namespace
