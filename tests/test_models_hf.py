@@ -14,8 +14,6 @@ TOKENS = [[5, 17, 99, 3, 200, 42, 7, 150, 64, 11], [8, 8, 250, 31, 4, 77, 190, 1
 
 def _build(path):
     # The model half of mlxfast.load(); the tokenizer is tested elsewhere.
-    import json
-
     config = read_hf_config(path)
     weights = mx.load(str(path / "model.safetensors"))
     return build_model(config, weights, config.get("quantization") or {})
