@@ -43,6 +43,8 @@ NB_MODULE(_ext, m) {
         "scale"_a, "freqs"_a.none(), nb::kw_only(), "stream"_a = nb::none());
   m.def("kv_write", &mlxfast::kv_write, "pool"_a, "slots"_a, "values"_a, nb::kw_only(),
         "stream"_a = nb::none());
+  m.def("kv_write_pair", &mlxfast::kv_write_pair, "k_pool"_a, "v_pool"_a, "slots"_a, "k"_a,
+        "v"_a, nb::kw_only(), "stream"_a = nb::none());
   m.def("qkv_rope", &mlxfast::qkv_rope, "qkv"_a, "positions"_a, "n_heads"_a, "n_kv_heads"_a,
         "head_dim"_a, "dims"_a, "traditional"_a, "base"_a.none(), "scale"_a, "freqs"_a.none(),
         "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none());
@@ -55,7 +57,7 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none());
   m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
         "block_tables"_a, "seq_idx"_a, "positions"_a, "scale"_a, "block_size"_a,
-        nb::kw_only(), "stream"_a = nb::none());
+        nb::kw_only(), "merge_heads"_a = false, "stream"_a = nb::none());
   m.def("paged_gather", &mlxfast::paged_gather, "pool"_a, "block_tables"_a, "block_size"_a,
         nb::kw_only(), "stream"_a = nb::none());
   // quantized KV (python/mlxfast/ops_kvquant.py)

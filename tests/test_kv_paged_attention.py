@@ -139,6 +139,27 @@ def test_native_mixed_dtypes_and_context():
 
 
 @native
+@pytest.mark.parametrize("merge_heads", [False, True])
+def test_native_leading_axes_and_merged_heads(merge_heads):
+    """q [B, L, Hq, D] (T = B*L tokens); merge_heads gives [B, L, Hq*D]."""
+    rng = random.Random(11)
+    mx.random.seed(11)
+    seqs, kp, vp, q, _, _ = random_case(rng, n_seqs=4, bs=16, Hq=9, Hkv=3, D=64, dtype=mx.float32)
+    T = q.shape[0] - q.shape[0] % 2  # the first T tokens, as [2, T/2, Hq, D]
+    tables, seq_idx, positions = flat_meta(seqs)
+    meta = (mx.array(tables), mx.array(seq_idx[:T]), mx.array(positions[:T]))
+    flat = ops.paged_attention(q[:T], kp, vp, *meta, scale=0.125, block_size=16)
+    q4 = q[:T].reshape(2, T // 2, 9, 64)
+    got = ops.paged_attention(q4, kp, vp, *meta, scale=0.125, block_size=16, merge_heads=merge_heads)
+    ref = ops.paged_attention_reference(q4, kp, vp, *meta, scale=0.125, block_size=16,
+                                        merge_heads=merge_heads)
+    want_shape = (2, T // 2, 9 * 64) if merge_heads else (2, T // 2, 9, 64)
+    assert got.shape == ref.shape == want_shape
+    np.testing.assert_allclose(np.array(got).reshape(T, 9, 64), np.array(flat), atol=1e-6)
+    np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-4, rtol=1e-4)
+
+
+@native
 def test_native_validation():
     q = mx.zeros((2, 4, 8))
     kp = mx.zeros((16, 2, 8))

@@ -50,3 +50,49 @@ def test_rejects_bad_input():
         ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int64), mx.zeros((1, 2)))
     with pytest.raises(ValueError, match="dtype"):
         ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int32), mx.zeros((1, 2), mx.float16))
+
+
+def test_values_with_leading_axes():
+    pool = mx.zeros((16, 2, 4))
+    slots = mx.array([3, 9, 0, 15, 7, 1], dtype=mx.int32)
+    values = mx.random.normal((2, 3, 2, 4))  # [B, L, H, D]: 6 rows
+    want = ops.kv_write_reference(mx.array(pool), slots, values)
+    assert mx.array_equal(ops.kv_write(pool, slots, values), want).item()
+    with pytest.raises(ValueError, match="rows"):
+        ops.kv_write(pool, slots, mx.zeros((2, 2, 2, 4)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_pair_matches_reference(dtype):
+    kp, vp = (mx.random.normal((32, 3, 8)).astype(dtype) for _ in range(2))
+    slots = mx.array([5, 0, 31, 7], dtype=mx.int32)
+    k, v = (mx.random.normal((4, 1, 3, 8)).astype(dtype) for _ in range(2))
+    want = ops.kv_write_pair_reference(mx.array(kp), mx.array(vp), slots, k, v)
+    got = ops.kv_write_pair(kp, vp, slots, k, v)
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+
+def test_pair_in_place_when_donated_and_memory_stays_flat():
+    kp, vp = mx.zeros((4096, 4, 64)), mx.zeros((4096, 4, 64))
+    mx.eval(kp, vp)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for i in range(8):
+        slot = mx.array([i], dtype=mx.int32)
+        kp, vp = ops.kv_write_pair(kp, vp, slot, mx.full((1, 4, 64), i + 1.0),
+                                   mx.full((1, 4, 64), -i - 1.0))
+        mx.eval(kp, vp)
+    assert mx.get_active_memory() - base < kp.nbytes // 2
+    assert mx.get_peak_memory() - base < kp.nbytes // 2  # never a copy of either pool
+    assert np.array(kp[:9, 0, 0]).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 0]
+    assert np.array(vp[:9, 0, 0]).tolist() == [-1, -2, -3, -4, -5, -6, -7, -8, 0]
+
+
+def test_pair_copies_when_another_reference_exists():
+    kp, vp = mx.zeros((16, 2)), mx.zeros((16, 2))
+    mx.eval(kp, vp)
+    held = vp
+    nk, nv = ops.kv_write_pair(kp, vp, mx.array([3], dtype=mx.int32), mx.ones((1, 2)),
+                               mx.ones((1, 2)))
+    mx.eval(nk, nv)
+    assert float(nk.sum()) == 2.0 and float(nv.sum()) == 2.0 and float(held.sum()) == 0.0

@@ -10,14 +10,17 @@
 
 namespace mlxfast {
 
-mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& values,
-                   mx::StreamOrDevice s) {
+namespace {
+
+void check(const mx::array& pool, const mx::array& slots, const mx::array& values) {
   std::ostringstream msg;
-  if (pool.ndim() < 1 || slots.ndim() != 1 || values.ndim() != pool.ndim() ||
-      values.shape(0) != slots.shape(0) ||
-      !std::equal(pool.shape().begin() + 1, pool.shape().end(), values.shape().begin() + 1)) {
-    msg << "[mlxfast.kv_write] need pool [S, ...], slots [T] and values [T, ...] with pool's "
-        << "trailing shape; got pool " << pool.shape() << ", slots " << slots.shape()
+  const int lead = static_cast<int>(values.ndim()) - static_cast<int>(pool.ndim()) + 1;
+  int64_t rows = 1;
+  for (int i = 0; i < lead; ++i) rows *= values.shape(i);
+  if (pool.ndim() < 1 || slots.ndim() != 1 || lead < 1 || rows != slots.shape(0) ||
+      !std::equal(pool.shape().begin() + 1, pool.shape().end(), values.shape().begin() + lead)) {
+    msg << "[mlxfast.kv_write] need pool [S, ...], slots [T] and values [..., ...] with T rows "
+        << "and pool's trailing shape; got pool " << pool.shape() << ", slots " << slots.shape()
         << ", values " << values.shape() << ".";
   } else if (slots.dtype() != mx::int32) {
     msg << "[mlxfast.kv_write] slots must be int32.";
@@ -25,49 +28,89 @@ mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::arra
     msg << "[mlxfast.kv_write] values must have the pool's dtype.";
   }
   if (!msg.str().empty()) throw std::invalid_argument(msg.str());
-  auto stream = mx::to_stream(s);
-  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(stream),
+}
+
+struct Write {
+  DenseInput src;  // the old pool, when it is copied (not donated)
+  DenseInput values;
+  char* dst;
+  size_t total, row;
+};
+
+} // namespace
+
+mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& values,
+                   mx::StreamOrDevice s) {
+  check(pool, slots, values);
+  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(mx::to_stream(s)),
                    {pool, slots, values});
 }
 
-void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& pool = inputs[0];
-  auto& slots = inputs[1];
-  auto& values = inputs[2];
-  auto& out = outputs[0];
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(pool);
-  enc.set_input_array(slots);
-  enc.set_input_array(values);
-  enc.set_output_array(out);
+std::vector<mx::array> kv_write_pair(const mx::array& k_pool, const mx::array& v_pool,
+                                     const mx::array& slots, const mx::array& k,
+                                     const mx::array& v, mx::StreamOrDevice s) {
+  check(k_pool, slots, k);
+  check(v_pool, slots, v);
+  if (k_pool.shape(0) != v_pool.shape(0))
+    throw std::invalid_argument("[mlxfast.kv_write_pair] k_pool and v_pool differ in slots.");
+  return mx::array::make_arrays({k_pool.shape(), v_pool.shape()},
+                                {k_pool.dtype(), v_pool.dtype()},
+                                std::make_shared<KvWrite>(mx::to_stream(s)),
+                                {k_pool, v_pool, slots, k, v});
+}
 
-  DenseInput src;
-  if (pool.is_donatable() && pool.flags().row_contiguous) {
-    out.copy_shared_buffer(pool);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    src = dense_input(pool, enc);
+void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const size_t n = outputs.size();
+  auto& slots = inputs[n];
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+
+  // Each output of a multi-output primitive holds its own copy of the inputs,
+  // so with two outputs every pool is referenced twice and never looks
+  // donatable. `inputs` is the copy of the output being evaluated; drop the
+  // siblings' copies (MLX's detach() clears them right after this eval
+  // anyway). Not while tracing: the graph must survive then.
+  if (n > 1 && !outputs[0].is_tracer()) {
+    for (auto& o : outputs) {
+      if (&o.inputs() != &inputs) o.inputs().clear();
+    }
+  }
+
+  std::vector<Write> writes(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto& pool = inputs[i];
+    auto& out = outputs[i];
+    auto& w = writes[i];
+    if (pool.is_donatable() && pool.flags().row_contiguous) {
+      out.copy_shared_buffer(pool);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      w.src = dense_input(pool, enc);
+    }
+    w.values = dense_input(inputs[n + 1 + i], enc);
+    w.dst = out.data<char>();
+    w.total = out.nbytes();
+    w.row = pool.shape(0) ? w.total / pool.shape(0) : 0;
   }
   DenseInput sin = dense_input(slots, enc);
-  DenseInput vin = dense_input(values, enc);
-  const int64_t num_slots = pool.shape(0);
+  const int64_t num_slots = inputs[0].shape(0);
   const int64_t T = slots.size();
-  const size_t row = num_slots ? out.nbytes() / num_slots : 0;
-  char* dst = out.data<char>();
-  const size_t total = out.nbytes();
-  enc.dispatch([src, sin, vin, dst, num_slots, T, row, total]() {
-    if (src.data) {
-      src.pack();
-      std::memcpy(dst, src.data, total);
-    }
+  enc.dispatch([writes = std::move(writes), sin, num_slots, T]() {
     sin.pack();
-    vin.pack();
     const int32_t* sl = sin.as<int32_t>();
-    const char* v = static_cast<const char*>(vin.data);
-    for (int64_t t = 0; t < T; ++t) {
-      int64_t slot = sl[t];
-      if (slot < 0 || slot >= num_slots) continue;  // never write outside the pool
-      std::memcpy(dst + slot * row, v + t * row, row);
+    for (auto& w : writes) {
+      if (w.src.data) {
+        w.src.pack();
+        std::memcpy(w.dst, w.src.data, w.total);
+      }
+      w.values.pack();
+      const char* v = static_cast<const char*>(w.values.data);
+      for (int64_t t = 0; t < T; ++t) {
+        int64_t slot = sl[t];
+        if (slot < 0 || slot >= num_slots) continue;  // never write outside the pool
+        std::memcpy(w.dst + slot * w.row, v + t * w.row, w.row);
+      }
     }
   });
 }

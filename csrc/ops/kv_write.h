@@ -1,8 +1,9 @@
 // kv_write(pool, slots, values): pool with pool[slots[t]] = values[t].
+// kv_write_pair(k_pool, v_pool, slots, k, v): both pools of a layer at once.
 //
-// The pool is updated in place when MLX may donate its buffer (no other
-// reference to the old pool array), which the KV schemes arrange by
-// rebinding their storage to the result; otherwise the pool is copied first.
+// A pool is updated in place when MLX may donate its buffer (no other
+// reference to the old pool array), which the KV caches arrange by rebinding
+// their storage to the result; otherwise the pool is copied first.
 // One primitive, where MLX's indexed assignment builds ~6 per write.
 #pragma once
 
@@ -14,9 +15,18 @@ namespace mlxfast {
 
 namespace mx = mlx::core;
 
+// pool [S, ...]; slots [T] int32; values [..., <pool's trailing shape>] with
+// T rows in its leading axes (e.g. [B, L, H, D] for a [S, H, D] pool), in
+// pool's dtype. Out-of-range slots are skipped.
 mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& values,
                    mx::StreamOrDevice s = {});
 
+// The same for two pools sharing the slots: one primitive, two outputs.
+std::vector<mx::array> kv_write_pair(const mx::array& k_pool, const mx::array& v_pool,
+                                     const mx::array& slots, const mx::array& k,
+                                     const mx::array& v, mx::StreamOrDevice s = {});
+
+// Inputs: n pools, the slots, n value arrays; outputs: the n updated pools.
 class KvWrite : public mx::Primitive {
  public:
   explicit KvWrite(mx::Stream stream) : mx::Primitive(stream) {}
@@ -27,7 +37,9 @@ class KvWrite : public mx::Primitive {
   const char* name() const override { return "MlxfastKvWrite"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    std::vector<mx::Shape> out;
+    for (size_t i = 0; i < (inputs.size() - 1) / 2; ++i) out.push_back(inputs[i].shape());
+    return out;
   }
 };
 

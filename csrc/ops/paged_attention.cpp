@@ -37,19 +37,35 @@ std::string shape_str(const mx::array& a) {
 
 } // namespace
 
+namespace {
+
+// q [..., Hq, D] -> [..., Hq, Dv] or [..., Hq * Dv].
+mx::Shape attention_shape(const mx::array& q, int Dv, bool merge_heads) {
+  mx::Shape shape(q.shape().begin(), q.shape().end() - 1);
+  if (merge_heads) {
+    shape.back() *= Dv;
+  } else {
+    shape.push_back(Dv);
+  }
+  return shape;
+}
+
+} // namespace
+
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
                           const mx::array& v_pool, const mx::array& block_tables,
                           const mx::array& seq_idx, const mx::array& positions,
-                          float scale, int block_size, mx::StreamOrDevice s) {
+                          float scale, int block_size, bool merge_heads, mx::StreamOrDevice s) {
   const char* op = "paged_attention";
-  if (q.ndim() != 3) fail(op, "q must be [T, Hq, D], got " + shape_str(q) + ".");
+  if (q.ndim() < 3) fail(op, "q must be [..., Hq, D] (e.g. [T, Hq, D]), got " + shape_str(q) + ".");
   if (k_pool.ndim() != 3 || v_pool.ndim() != 3)
     fail(op, "k_pool and v_pool must be [num_slots, Hkv, D].");
   if (!is_float(q.dtype()) || !is_float(k_pool.dtype()))
     fail(op, "q and the pools must be float32, float16 or bfloat16.");
   if (k_pool.dtype() != v_pool.dtype()) fail(op, "k_pool and v_pool must share a dtype.");
-  int64_t T = q.shape(0);
-  int Hq = q.shape(1), D = q.shape(2), Hkv = k_pool.shape(1);
+  int Hq = q.shape(-2), D = q.shape(-1), Hkv = k_pool.shape(1);
+  int64_t T = 1;
+  for (int i = 0; i + 2 < static_cast<int>(q.ndim()); ++i) T *= q.shape(i);
   if (k_pool.shape(2) != D) fail(op, "q and k_pool head dims differ.");
   if (v_pool.shape(0) != k_pool.shape(0) || v_pool.shape(1) != Hkv)
     fail(op, "v_pool must match k_pool in slots and heads.");
@@ -63,18 +79,18 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
     fail(op, "block_tables must be an int32 [S, B] array.");
   if (seq_idx.ndim() != 1 || positions.ndim() != 1 || seq_idx.shape(0) != T ||
       positions.shape(0) != T || seq_idx.dtype() != mx::int32 || positions.dtype() != mx::int32)
-    fail(op, "seq_idx and positions must be int32 [T] arrays.");
+    fail(op, "seq_idx and positions must be int32 [T] arrays (T = the tokens in q).");
   auto stream = mx::to_stream(s);
   // Inputs go in as they are: eval_cpu packs any strided one (DenseInput)
   // instead of adding a Contiguous node per input per call.
   std::vector<mx::array> in = {q, k_pool, v_pool, block_tables, seq_idx, positions};
-  mx::Shape shape = {static_cast<int>(T), Hq, v_pool.shape(2)};
-  return mx::array(shape, q.dtype(), std::make_shared<PagedAttention>(stream, scale, block_size),
+  return mx::array(attention_shape(q, v_pool.shape(2), merge_heads), q.dtype(),
+                   std::make_shared<PagedAttention>(stream, scale, block_size, merge_heads),
                    std::move(in));
 }
 
 std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[2].shape(2)}};
+  return {attention_shape(inputs[0], inputs[2].shape(2), merge_heads_)};
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
@@ -94,13 +110,13 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
   a.tables = dense[3].as<int32_t>();
   a.seq_idx = dense[4].as<int32_t>();
   a.pos = dense[5].as<int32_t>();
-  a.T = inputs[0].shape(0);
+  a.T = inputs[4].shape(0);
   a.S = inputs[3].shape(0);
   a.B = inputs[3].shape(1);
   a.num_slots = inputs[1].shape(0);
-  a.Hq = inputs[0].shape(1);
+  a.Hq = inputs[0].shape(-2);
   a.Hkv = inputs[1].shape(1);
-  a.D = inputs[0].shape(2);
+  a.D = inputs[0].shape(-1);
   a.Dv = inputs[2].shape(2);
   a.bs = block_size_;
   a.scale = scale_;

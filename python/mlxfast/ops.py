@@ -171,21 +171,39 @@ def qkv_rope(qkv: mx.array, positions: mx.array, n_heads: int, n_kv_heads: int, 
 
 def kv_write_reference(pool: mx.array, slots: mx.array, values: mx.array) -> mx.array:
     """Pure-MLX ``pool[slots] = values`` (returns the updated pool)."""
-    pool[slots] = values
+    pool[slots] = values.reshape(slots.shape[0], *pool.shape[1:])
     return pool
 
 
 def kv_write(pool: mx.array, slots: mx.array, values: mx.array, *, stream=None) -> mx.array:
     """``pool`` with rows ``slots`` replaced by ``values``, as one primitive.
 
-    pool [S, ...], slots [T] int32, values [T, ...] with pool's dtype and
-    trailing shape. Rebind the pool to the result and keep no other reference
-    to the old one: then the write happens in place (MLX donates the buffer);
-    otherwise the pool is copied. Out-of-range slots are ignored.
+    pool [S, ...], slots [T] int32, values with pool's dtype and trailing
+    shape and T rows in its leading axes (``[T, H, D]`` or ``[B, L, H, D]``
+    for a ``[S, H, D]`` pool). Rebind the pool to the result and keep no
+    other reference to the old one: then the write happens in place (MLX
+    donates the buffer); otherwise the pool is copied. Out-of-range slots are
+    ignored.
     """
     if _on_cpu(stream):
         return _ext.kv_write(pool, slots, values, stream=stream)
     return kv_write_reference(pool, slots, values)
+
+
+def kv_write_pair_reference(k_pool, v_pool, slots, k, v):
+    """Pure-MLX :func:`kv_write_pair`: two indexed assignments."""
+    return kv_write_reference(k_pool, slots, k), kv_write_reference(v_pool, slots, v)
+
+
+def kv_write_pair(k_pool: mx.array, v_pool: mx.array, slots: mx.array, k: mx.array,
+                  v: mx.array, *, stream=None) -> tuple[mx.array, mx.array]:
+    """``(kv_write(k_pool, slots, k), kv_write(v_pool, slots, v))`` as one
+    primitive with two outputs; both pools are written in place under the same
+    rule as ``kv_write`` (rebind both, keep no other reference)."""
+    if _on_cpu(stream):
+        k_pool, v_pool = _ext.kv_write_pair(k_pool, v_pool, slots, k, v, stream=stream)
+        return k_pool, v_pool
+    return kv_write_pair_reference(k_pool, v_pool, slots, k, v)
 
 
 def quantized_matmul_reference(
@@ -311,16 +329,20 @@ def paged_attention_reference(
     *,
     scale: float,
     block_size: int,
+    merge_heads: bool = False,
 ) -> mx.array:
     """Pure-MLX paged attention (the native kernel's oracle; memory ~T x context).
 
-    q [T, Hq, D]; k_pool/v_pool [num_blocks*block_size, Hkv, D] (Hq % Hkv == 0,
-    any float dtype); block_tables [S, B] int32 (block ids per sequence);
-    seq_idx [T] int32 (the sequence of each query); positions [T] int32 (each
-    query's position: it attends keys 0..position of its sequence).
-    Returns [T, Hq, D] in q's dtype. Softmax in float32.
+    q [..., Hq, D] (T tokens in its leading axes: [T, Hq, D], [B, L, Hq, D]);
+    k_pool/v_pool [num_blocks*block_size, Hkv, D] (Hq % Hkv == 0, any float
+    dtype); block_tables [S, B] int32 (block ids per sequence); seq_idx [T]
+    int32 (the sequence of each query); positions [T] int32 (each query's
+    position: it attends keys 0..position of its sequence).
+    Returns [..., Hq, Dv] in q's dtype, or [..., Hq * Dv] with ``merge_heads``
+    (the layout an output projection takes). Softmax in float32.
     """
-    T, Hq, D = q.shape
+    lead, (Hq, D) = q.shape[:-2], q.shape[-2:]
+    T = seq_idx.shape[0]
     Hkv = k_pool.shape[1]
     kg = paged_gather_reference(k_pool, block_tables, block_size)[seq_idx]  # [T, L, Hkv, D]
     vg = paged_gather_reference(v_pool, block_tables, block_size)[seq_idx]
@@ -331,7 +353,8 @@ def paged_attention_reference(
     s = mx.where(allowed[:, None, None, :], s, -mx.inf)
     p = mx.softmax(s, axis=-1)
     out = mx.einsum("tkgl,tlkd->tkgd", p, vg.astype(mx.float32))
-    return out.reshape(T, Hq, -1).astype(q.dtype)
+    shape = (*lead, -1) if merge_heads else (*lead, Hq, -1)
+    return out.reshape(shape).astype(q.dtype)
 
 
 def paged_attention(
@@ -344,6 +367,7 @@ def paged_attention(
     *,
     scale: float,
     block_size: int,
+    merge_heads: bool = False,
     stream=None,
 ) -> mx.array:
     """Attention of each query token over its own sequence's paged KV.
@@ -354,9 +378,9 @@ def paged_attention(
     """
     if has_native_paged_attention(stream):
         return _ext.paged_attention(q, k_pool, v_pool, block_tables, seq_idx, positions,
-                                    scale, block_size, stream=stream)
+                                    scale, block_size, merge_heads=merge_heads, stream=stream)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_idx, positions,
-                                     scale=scale, block_size=block_size)
+                                     scale=scale, block_size=block_size, merge_heads=merge_heads)
 
 
 # --- quantized KV (affine q8/q4, TurboQuant): see ops_kvquant.py ------------

@@ -57,20 +57,19 @@ class DenseKVCache:
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """Store k/v [B, L, Hkv, D] after the cached tokens; attend q [B, L, Hq, D]
-        -> [B, L, Hq, D]."""
-        B, L, H, _ = k.shape
+        -> [B, L, Hq * D] (heads merged, as the output projection takes them)."""
+        B, L = k.shape[:2]
         end = self.offset + L
-        if self.keys[layer] is None or end > self.keys[layer].shape[0] // B:
+        keys = self.keys[layer]
+        if keys is None or end > keys.shape[0] // B:
             self._grow(layer, B, k, v, end)
-        cap = self.keys[layer].shape[0] // B
-        slots, tables, seq_idx, positions = self._step_meta(B, L, cap)
-        self.keys[layer] = ops.kv_write(self.keys[layer], slots, k.reshape(B * L, H, -1))
-        self.values[layer] = ops.kv_write(self.values[layer], slots, v.reshape(B * L, H, -1))
-        out = ops.paged_attention(
-            q.reshape(B * L, q.shape[2], -1), self.keys[layer], self.values[layer], tables,
-            seq_idx, positions, scale=scale, block_size=self.block,
-        )
-        return out.reshape(B, L, q.shape[2], -1)
+            keys = self.keys[layer]
+        slots, tables, seq_idx, positions = self._step_meta(B, L, keys.shape[0] // B)
+        # No other reference to the old pools may live past this call (donation).
+        keys, values = ops.kv_write_pair(keys, self.values[layer], slots, k, v)
+        self.keys[layer], self.values[layer] = keys, values
+        return ops.paged_attention(q, keys, values, tables, seq_idx, positions, scale=scale,
+                                   block_size=self.block, merge_heads=True)
 
     def advance(self, n: int) -> None:
         """Mark n more tokens as stored (call after each forward)."""

@@ -125,21 +125,17 @@ class PagedContext:
 
     # -- the model's protocol ------------------------------------------------
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q [T, 1, Hq, D], k/v [T, 1, Hkv, D] -> [T, 1, Hq, D]."""
+        """q [T, 1, Hq, D], k/v [T, 1, Hkv, D] -> [T, 1, Hq * D] (heads merged)."""
         T, L, Hq, D = q.shape
         if L != 1 or T != self.T:
             raise ValueError(f"paged attention expects [{self.T}, 1, H, D] rows, got {q.shape}")
-        Hkv = k.shape[2]
         pool = self.pool
         scheme = pool.scheme
-        scheme.write(layer, self.slots, k.reshape(T, Hkv, D), v.reshape(T, Hkv, v.shape[-1]))
-        q = q.reshape(T, Hq, D)
+        scheme.write(layer, self.slots, k, v)
         if self.native:
-            out = scheme.paged_attention(layer, q, self.block_tables, self.seq_idx, self.offsets,
-                                         scale=scale, block_size=pool.block_size)
-        else:
-            out = self._reference(q, scheme, layer, scale)
-        return out.reshape(T, 1, Hq, -1)
+            return scheme.paged_attention(layer, q, self.block_tables, self.seq_idx, self.offsets,
+                                          scale=scale, block_size=pool.block_size)
+        return self._reference(q.reshape(T, Hq, D), scheme, layer, scale).reshape(T, 1, -1)
 
     def _reference(self, q, scheme, layer, scale):
         T, Hq, D = q.shape

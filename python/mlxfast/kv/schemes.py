@@ -96,9 +96,11 @@ class KVScheme:
         raise NotImplementedError
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """Store k/v ``[..., Hkv, D]`` (T rows in the leading axes) at ``slots [T]``."""
         raise NotImplementedError
 
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
+        """q ``[..., Hq, D]`` -> ``[..., Hq * D]`` (heads merged)."""
         raise NotImplementedError
 
     def gather(self, layer: int, idx: mx.array, dtype) -> tuple[mx.array, mx.array]:
@@ -121,14 +123,17 @@ class DenseScheme(KVScheme):
         return self.keys + self.values
 
     def write(self, layer, slots, k, v):
-        # Rebinding the list entry to the result leaves the previous array
-        # referenced only by the graph, so the write reuses its buffer.
-        self.keys[layer] = self._ops.kv_write(self.keys[layer], slots, k.astype(self.keys[layer].dtype))
-        self.values[layer] = self._ops.kv_write(self.values[layer], slots, v.astype(self.values[layer].dtype))
+        # Rebinding the list entries to the results leaves the previous arrays
+        # referenced only by the graph, so the write reuses their buffers.
+        keys, values = self.keys, self.values
+        keys[layer], values[layer] = self._ops.kv_write_pair(
+            keys[layer], values[layer], slots, k.astype(keys[layer].dtype),
+            v.astype(values[layer].dtype))
 
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
         return self._ops.paged_attention(q, self.keys[layer], self.values[layer], block_tables,
-                                         seq_idx, positions, scale=scale, block_size=block_size)
+                                         seq_idx, positions, scale=scale, block_size=block_size,
+                                         merge_heads=True)
 
     def gather(self, layer, idx, dtype):
         k, v = self.keys[layer][idx], self.values[layer][idx]
@@ -151,12 +156,17 @@ class QuantScheme(KVScheme):
         return list(self.data)
 
     def write(self, layer, slots, k, v):
-        self.data[layer][slots] = kq.kv_quant_encode(k, v, self.fmt, self.signs[layer])
+        from .. import ops
+
+        packed = kq.kv_quant_encode(k, v, self.fmt, self.signs[layer])
+        self.data[layer] = ops.kv_write(self.data[layer], slots, packed)  # in place (donated)
 
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
-        return kq.kv_quant_paged_attention(q, self.data[layer], block_tables, seq_idx, positions,
-                                           scale=scale, block_size=block_size, fmt=self.fmt,
-                                           signs=self.signs[layer])
+        lead, (Hq, D) = q.shape[:-2], q.shape[-2:]
+        out = kq.kv_quant_paged_attention(q.reshape(-1, Hq, D), self.data[layer], block_tables,
+                                          seq_idx, positions, scale=scale, block_size=block_size,
+                                          fmt=self.fmt, signs=self.signs[layer])
+        return out.reshape(*lead, -1)
 
     def gather(self, layer, idx, dtype):
         return kq.kv_quant_dequant(self.data[layer][idx], self.fmt, self.signs[layer], dtype)

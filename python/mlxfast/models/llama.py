@@ -1,7 +1,9 @@
 """The Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k norm).
 
 The model never knows how KV is stored: each attention layer hands its
-rotated q and new k/v to ``cache.attend(layer, q, k, v, scale)``. Positions
+rotated q [B, L, Hq, D] and new k/v [B, L, Hkv, D] to
+``cache.attend(layer, q, k, v, scale)`` and gets [B, L, Hq * D] back (heads
+merged, what the output projection takes: no reshapes on the layer path). Positions
 come from ``cache.offsets`` (an int, or an int32 array with one offset per
 batch row), turned into one position per token once per forward.
 """
@@ -107,8 +109,7 @@ class Attention(nn.Module):
                 q = self.q_norm(q)
                 k = self.k_norm(k)
             q, k = self.rope(q, positions), self.rope(k, positions)
-        out = cache.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(B, L, -1))
+        return self.o_proj(cache.attend(self.layer, q, k, v, self.scale))
 
     def _fused_qkv(self, qkv: mx.array, positions: mx.array):
         rope = self.rope
