@@ -99,6 +99,9 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
       for (int m = 0; m < MM; ++m) ga[r][m] = _mm256_setzero_ps();
     for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
       for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes +
+                                                   k0 * BITS / 8),
+                     _MM_HINT_T0);
         __m256 v[4];
         unpack32<BITS>(w0 + r * c.row_bytes, k0, v);
         for (int m = 0; m < MM; ++m) {

@@ -111,31 +111,37 @@ struct GemvCtx {
   int64_t G, row_bytes;
 };
 
-// y[m][n + r] for r < R, m < MM; rows of x from m0.
-// y[m0 + m][n + r] for r < R, m < MM.
-// BITS 4: the 16-entry lookup table is pre-multiplied by the group's scale,
-// so vpermps yields scale * q directly (no per-group rescaling of partial
-// sums); lo and hi halves accumulate separately for 2*R*MM FMA chains.
-// BITS 8: per-group partial dot products, rescaled once per group.
-// Writes the scale * q . x part to yb[m * 16 + r] (the bias part is added
-// per 16-row block in gemv_finish).
+// y[m0 + m][n + r] for r < R, m < MM, written to yb[m * 16 + r].
+// BITS 4: the 16-entry lookup table is the group's dequantized values
+// (scale * i + bias), so vpermps yields the weight itself: no per-group
+// rescaling and no separate bias term; lo and hi halves accumulate
+// separately for 2*R*MM FMA chains.
+// BITS 8: per-group partial dot products, rescaled once per group; the bias
+// part is bias[g] * sum(x_g), a scalar per group.
 template <int BITS, int MM, int R>
 inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
-                      float* yb) {
+                      const float* bi, float* yb) {
   const Args& a = *c.a;
   const int64_t K = a.K, G = c.G, gs = a.group_size;
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(a.w) + n * c.row_bytes;
   const float* xp = c.xp + m0 * K;
   const __m512 lut = lut16();
   __m512 acc[R][MM], acc2[R][MM];
+  float bsum[R][MM] = {};
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MM; ++m) acc[r][m] = acc2[r][m] = _mm512_setzero_ps();
   if constexpr (BITS == 4) {
     for (int64_t g = 0; g < G; ++g) {
       __m512 ls[R];
-      for (int r = 0; r < R; ++r) ls[r] = _mm512_mul_ps(lut, _mm512_set1_ps(sc[r * G + g]));
+      for (int r = 0; r < R; ++r) {
+        ls[r] = _mm512_fmadd_ps(lut, _mm512_set1_ps(sc[r * G + g]),
+                                _mm512_set1_ps(bi[r * G + g]));
+      }
       for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
         for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes +
+                                                     (k0 >> 1)),
+                       _MM_HINT_T0);
           __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(
               reinterpret_cast<const __m128i*>(w0 + r * c.row_bytes + (k0 >> 1))));
           __m512 lo = _mm512_permutexvar_ps(q, ls[r]);
@@ -148,12 +154,15 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
       }
     }
   } else {
+    const float* xs = c.xs + m0 * G;
     for (int64_t g = 0; g < G; ++g) {
       __m512 ga[R][MM];
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < MM; ++m) ga[r][m] = _mm512_setzero_ps();
       for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
         for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes + k0),
+                       _MM_HINT_T0);
           __m512 lo, hi;
           unpack32<BITS>(w0 + r * c.row_bytes, k0, lut, lo, hi);
           for (int m = 0; m < MM; ++m) {
@@ -165,6 +174,7 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
       for (int r = 0; r < R; ++r) {
         __m512 s = _mm512_set1_ps(sc[r * G + g]);
         for (int m = 0; m < MM; ++m) {
+          bsum[r][m] += bi[r * G + g] * xs[m * G + g];
           // alternate accumulators: two FMA chains per output
           if (g & 1) {
             acc2[r][m] = _mm512_fmadd_ps(ga[r][m], s, acc2[r][m]);
@@ -177,29 +187,10 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
   }
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < MM; ++m) {
-      yb[m * kGemvRowBlock + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc2[r][m]));
+      yb[m * kGemvRowBlock + r] =
+          _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc2[r][m])) + bsum[r][m];
     }
   }
-}
-
-// out[m0 + m][n0 .. n1) = yb[m][.] + sum_g bias[n][g] * xsum[m][g].
-void gemv_finish(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
-                 const float* bi, const float* yb) {
-  const Args& a = *c.a;
-  const int64_t G = c.G;
-  const __mmask16 mk = tail_mask(n1 - n0);
-  const __m512i gidx = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(G)));
-  __m512 y[kGemvMaxMM];
-  for (int m = 0; m < mm; ++m) y[m] = _mm512_load_ps(yb + m * kGemvRowBlock);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 bcol = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, gidx, bi + g, 4);
-    for (int m = 0; m < mm; ++m) {
-      y[m] = _mm512_fmadd_ps(bcol, _mm512_set1_ps(c.xs[(m0 + m) * G + g]), y[m]);
-    }
-  }
-  for (int m = 0; m < mm; ++m) store_cvt(a.out, a.x_dtype, (m0 + m) * a.N + n0, y[m], mk);
 }
 
 template <int BITS, int MM>
@@ -210,10 +201,16 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
   alignas(64) float yb[kGemvMaxMM * kGemvRowBlock];
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
+    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
   }
-  for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
-  gemv_finish(c, m0, MM, n0, n1, bi, yb);
+  for (; n < n1; ++n) {
+    gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+  }
+  const __mmask16 mk = tail_mask(n1 - n0);
+  for (int m = 0; m < MM; ++m) {
+    store_cvt(c.a->out, c.a->x_dtype, (m0 + m) * c.a->N + n0,
+              _mm512_load_ps(yb + m * kGemvRowBlock), mk);
+  }
 }
 
 template <int BITS>
@@ -242,7 +239,7 @@ void gemv(const Args& a) {
   for (int64_t m = 0; m < M; ++m) {
     float* row = xp + m * K;
     cvt_row(a.x, a.x_dtype, m * K, K, row);
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; a.bits != 4 && g < G; ++g) {  // 4 bits: bias is in the LUT
       __m512 s = _mm512_setzero_ps();
       for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += 16) {
         s = _mm512_add_ps(s, _mm512_loadu_ps(row + k));
