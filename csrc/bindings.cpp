@@ -11,6 +11,7 @@
 #include "ops/silu_mul.h"
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
+#include "ops/dequantize_rows.h"
 #include "ops/kv_write.h"
 #include "ops/qkv_rope.h"
 #include "ops/paged_attention.h"
@@ -52,9 +53,13 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none());
   m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
         "stream"_a = nb::none());
+  m.def("dense_matmul", &mlxfast::dense_matmul, "x"_a, "w"_a, nb::kw_only(),
+        "stream"_a = nb::none());
   m.def("quantized_matmul", &mlxfast::quantized_matmul, "x"_a, "w"_a, "scales"_a,
         "biases"_a, nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
         "stream"_a = nb::none());
+  m.def("dequantize_rows", &mlxfast::dequantize_rows, "w"_a, "scales"_a, "biases"_a, "ids"_a,
+        nb::kw_only(), "group_size"_a, "bits"_a, "dtype"_a = nb::none(), "stream"_a = nb::none());
   m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
         "block_tables"_a, "seq_idx"_a, "positions"_a, "scale"_a, "block_size"_a,
         nb::kw_only(), "merge_heads"_a = false, "stream"_a = nb::none());

@@ -206,6 +206,27 @@ def kv_write_pair(k_pool: mx.array, v_pool: mx.array, slots: mx.array, k: mx.arr
     return kv_write_pair_reference(k_pool, v_pool, slots, k, v)
 
 
+def dense_matmul_reference(x: mx.array, w: mx.array) -> mx.array:
+    """Pure-MLX ``x @ w.T``."""
+    return mx.matmul(x, w.T)
+
+
+def dense_matmul(x: mx.array, w: mx.array, *, stream=None) -> mx.array:
+    """``x @ w.T`` for dense weights w [N, K] (float32/float16/bfloat16).
+
+    The result dtype follows MLX's promotion of x and w, accumulated in
+    float32. On the CPU this is one native primitive sharing the quantized
+    matmul's GEMV/GEMM kernels (MLX's CPU matmul is a reference BLAS at a
+    few GFLOP/s on Linux); elsewhere it is ``x @ w.T``.
+    """
+    if _on_cpu(stream):
+        out_dtype = mx.result_type(x, w)
+        if out_dtype != x.dtype:
+            x = x.astype(out_dtype)
+        return _ext.dense_matmul(x, w, stream=stream)
+    return dense_matmul_reference(x, w)
+
+
 def quantized_matmul_reference(
     x: mx.array,
     w: mx.array,
@@ -267,10 +288,13 @@ def dequantize_rows_reference(
     *,
     group_size: int = 64,
     bits: int = 4,
+    dtype=None,
 ) -> mx.array:
-    """Pure-MLX oracle for :func:`dequantize_rows`: dequantize all of ``w``, then gather."""
-    full = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-    return full[ids]
+    """Pure-MLX :func:`dequantize_rows`: gather the packed rows, dequantize in float32."""
+    out = mx.dequantize(w[ids], scales[ids].astype(mx.float32), biases[ids].astype(mx.float32),
+                        group_size=group_size, bits=bits)
+    dtype = scales.dtype if dtype is None else dtype
+    return out if dtype == mx.float32 else out.astype(dtype)
 
 
 def dequantize_rows(
@@ -281,17 +305,23 @@ def dequantize_rows(
     *,
     group_size: int = 64,
     bits: int = 4,
+    dtype=None,
+    stream=None,
 ) -> mx.array:
     """Quantized embedding lookup: rows ``ids`` of ``dequantize(w, scales, biases)``.
 
     w: [V, D * bits / 32] uint32; scales, biases: [V, D / group_size];
-    ids: integer array of any shape. Returns [*ids.shape, D] in scales' dtype.
-    Gathers the packed rows first, so only the looked-up rows are dequantized
-    (a plain MLX graph: a gather and a dequantize, on every backend).
+    ids: integer array of any shape. Returns [*ids.shape, D] in ``dtype``
+    (default: scales' dtype), computed in float32 (fp16 scales would round
+    every element) and rounded once. Only the looked-up rows are dequantized:
+    one native primitive on the CPU (MLX's graph for it is ~38 primitives),
+    the reference elsewhere.
     """
-    return mx.dequantize(
-        w[ids], scales[ids], biases[ids], group_size=group_size, bits=bits
-    )
+    if _on_cpu(stream):
+        return _ext.dequantize_rows(w, scales, biases, ids, group_size=group_size, bits=bits,
+                                    dtype=dtype, stream=stream)
+    return dequantize_rows_reference(w, scales, biases, ids, group_size=group_size, bits=bits,
+                                     dtype=dtype)
 
 
 # --- paged attention (engine KV) -------------------------------------------

@@ -10,6 +10,7 @@ whose chunk reaches its end).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..kv.block_pool import KVPool
 from ..kv.paged import PagedContext, SeqSlice
@@ -34,7 +35,7 @@ class Runner:
             if r.sample:
                 logit_rows.append(len(tokens) - 1)
         ctx = PagedContext(self.pool, seqs, native=self.native)
-        x = mx.array(tokens, dtype=mx.int32).reshape(-1, 1)
+        x = mx.array(np.array(tokens, np.int32)[:, None])  # [T, 1], no Reshape node
         if not logit_rows:
             self.model(x, ctx, logit_rows=mx.array([0], dtype=mx.int32))
             mx.eval(self.pool.arrays())

@@ -10,6 +10,7 @@ whole blocks.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .. import ops
 
@@ -28,17 +29,18 @@ class DenseKVCache:
         return self.offset
 
     def _step_meta(self, B: int, L: int, cap: int):
-        """Slots, block tables, query rows and positions for this forward (shared by layers)."""
+        """Slots, block tables, query rows and positions for this forward (shared by
+        layers), built on the host: constants, not graph nodes."""
         key = (B, L, self.offset, cap)
         if key not in self._meta:
-            rows = mx.arange(B, dtype=mx.int32)
-            pos = mx.arange(self.offset, self.offset + L, dtype=mx.int32)
+            rows = np.arange(B, dtype=np.int32)
+            pos = np.arange(self.offset, self.offset + L, dtype=np.int32)
             nb = cap // self.block
             self._meta = {key: (
-                (rows[:, None] * cap + pos[None, :]).reshape(-1),
-                rows[:, None] * nb + mx.arange(nb, dtype=mx.int32)[None, :],
-                mx.repeat(rows, L),
-                mx.broadcast_to(pos[None, :], (B, L)).reshape(-1),
+                mx.array((rows[:, None] * cap + pos[None, :]).reshape(-1)),
+                mx.array(rows[:, None] * nb + np.arange(nb, dtype=np.int32)[None, :]),
+                mx.array(np.repeat(rows, L)),
+                mx.array(np.tile(pos, B)),
             )}
         return self._meta[key]
 

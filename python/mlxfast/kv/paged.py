@@ -3,7 +3,7 @@
 A step's tokens (decode rows: one token; prefill chunks: many) are laid out
 as T batch rows of length 1, so the model's projections and MLP run once over
 all of them and RoPE takes one position per row (``offsets`` is an int32
-array [T]). ``attend`` writes each token's K/V into its slot and attends each
+array [T, 1]). ``attend`` writes each token's K/V into its slot and attends each
 token over its own sequence's KV up to and including its own position, which
 makes causality fall out of the positions.
 
@@ -75,7 +75,8 @@ class PagedContext:
             seq_idx[t:t + s.n] = i
             t += s.n
         self.positions_np = positions
-        self.offsets = mx.array(positions)
+        self.positions = mx.array(positions)
+        self.offsets = mx.array(positions[:, None])  # [T, 1]: the model's positions as they are
         self.slots = mx.array(slots)
         if native is None:
             native = ops.has_native_paged_attention()
@@ -133,7 +134,7 @@ class PagedContext:
         scheme = pool.scheme
         scheme.write(layer, self.slots, k, v)
         if self.native:
-            return scheme.paged_attention(layer, q, self.block_tables, self.seq_idx, self.offsets,
+            return scheme.paged_attention(layer, q, self.block_tables, self.seq_idx, self.positions,
                                           scale=scale, block_size=pool.block_size)
         return self._reference(q.reshape(T, Hq, D), scheme, layer, scale).reshape(T, 1, -1)
 

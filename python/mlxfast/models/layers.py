@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
 from .. import ops
@@ -26,7 +27,7 @@ class Linear(nn.Module):
             self.bias = mx.zeros((out_dims,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = mx.matmul(x, self.weight.T)
+        y = ops.dense_matmul(x, self.weight)
         if "bias" in self:
             y = y + self.bias
         return y
@@ -102,7 +103,7 @@ class Embedding(nn.Module):
         return self.weight[ids]
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return mx.matmul(x, self.weight.T)
+        return ops.dense_matmul(x, self.weight)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -117,13 +118,8 @@ class QuantizedEmbedding(nn.Module):
 
     def __call__(self, ids: mx.array) -> mx.array:
         # Dequantize in float32: fp16 scales would round every element.
-        return mx.dequantize(
-            self.weight[ids],
-            self.scales[ids].astype(mx.float32),
-            self.biases[ids].astype(mx.float32),
-            group_size=self.group_size,
-            bits=self.bits,
-        )
+        return ops.dequantize_rows(self.weight, self.scales, self.biases, ids,
+                                   group_size=self.group_size, bits=self.bits, dtype=mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return ops.quantized_matmul(
@@ -177,9 +173,11 @@ class RoPE(nn.Module):
 
 
 def token_positions(offsets, batch: int, length: int) -> mx.array:
-    """[batch, length] int32 positions from a cache's offsets (an int, or one per row)."""
-    if isinstance(offsets, int):
-        return mx.broadcast_to(mx.arange(offsets, offsets + length, dtype=mx.int32), (batch, length))
+    """[batch, length] int32 positions from a cache's offsets (an int, or one per
+    row: int32 [batch] or [batch, 1])."""
+    if isinstance(offsets, int):  # a host constant, not graph nodes
+        return mx.array(np.broadcast_to(np.arange(offsets, offsets + length, dtype=np.int32),
+                                        (batch, length)))
     offsets = offsets.astype(mx.int32).reshape(batch, 1)
     return offsets if length == 1 else offsets + mx.arange(length, dtype=mx.int32)
 
