@@ -27,16 +27,22 @@ namespace qmm {
 
 enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
+// bits == 0 means dense weights: w is [N, K] in w_dtype (y = x @ w.T) and
+// scales, biases and group_size are unused. The same GEMV/GEMM drivers run
+// both; only the weight unpacking differs.
 struct Args {
   const void* x;        // [M, K] in x_dtype, row-major contiguous
-  const uint32_t* w;    // [N, K * bits / 32]
+  const void* w;        // [N, K * bits / 32] uint32, or [N, K] in w_dtype
   const void* scales;   // [N, K / group_size] in s_dtype
   const void* biases;   // [N, K / group_size] in s_dtype
   void* out;            // [M, N] in x_dtype
   int64_t M, N, K;
   int group_size, bits;
   DType x_dtype, s_dtype;
+  DType w_dtype = F32;  // dense weights only
 };
+
+inline int dtype_size(DType dt) { return dt == F32 ? 4 : 2; }
 
 // Rows up to which the GEMV (weight-streaming) path is used; above it the
 // blocked GEMM path dequantizes weight panels once and reuses them.
@@ -89,6 +95,38 @@ inline uint32_t unpack_value(const uint8_t* row, int64_t i, int bits) {
   uint32_t v = row[byte] >> sh;
   if (sh + bits > 8) v |= static_cast<uint32_t>(row[byte + 1]) << (8 - sh);
   return v & ((1u << bits) - 1u);
+}
+
+// Dense weight rows n0 .. n0+NR-1, k in [kb, ke), as fp32 bp[k - kb][NR]
+// (rows >= N are 0): the GEMM panel for bits == 0. tmp holds NR * (ke - kb)
+// floats. O(N K) per call against the micro-kernel's O(M N K).
+template <int NR>
+inline void dense_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float* bp,
+                        float* tmp) {
+  const int64_t kc = ke - kb;
+  const int64_t ncols = a.N - n0 < NR ? a.N - n0 : NR;
+  for (int64_t j = 0; j < ncols; ++j) {
+    const int64_t off = (n0 + j) * a.K + kb;
+    float* t = tmp + j * kc;
+    switch (a.w_dtype) {
+      case F32: std::memcpy(t, static_cast<const float*>(a.w) + off, sizeof(float) * kc); break;
+      case F16: {
+        const uint16_t* p = static_cast<const uint16_t*>(a.w) + off;
+        for (int64_t k = 0; k < kc; ++k) t[k] = f16_to_f32(p[k]);
+        break;
+      }
+      default: {
+        const uint16_t* p = static_cast<const uint16_t*>(a.w) + off;
+        for (int64_t k = 0; k < kc; ++k) t[k] = bf16_to_f32(p[k]);
+        break;
+      }
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    float* dst = bp + k * NR;
+    for (int64_t j = 0; j < ncols; ++j) dst[j] = tmp[j * kc + k];
+    for (int64_t j = ncols; j < NR; ++j) dst[j] = 0.0f;
+  }
 }
 
 // Per-thread scratch that only grows (pool threads live for the process).

@@ -155,6 +155,53 @@ void gemv_finish(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
   }
 }
 
+inline __m256 load8_cvt(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case F32: return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+    case F16:
+      return _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+    default:
+      return _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i))),
+          16));
+  }
+}
+
+// Dense weights (bits == 0): y[m0 + m][n + r] = x[m] . w[n + r], 8 values
+// at a time, scalar tail (any K).
+template <int MM, int R>
+inline void gemv_tile_dense(const GemvCtx& c, int64_t m0, int64_t n, float* yb) {
+  const Args& a = *c.a;
+  const int64_t K = a.K;
+  const char* w0 = static_cast<const char*>(a.w) + n * c.row_bytes;
+  const int es = dtype_size(a.w_dtype);
+  const float* xp = c.xp + m0 * K;
+  __m256 acc[R][MM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(w0 + (r + kPrefetchRows) * c.row_bytes + k * es, _MM_HINT_T0);
+      __m256 wv = load8_cvt(w0 + r * c.row_bytes, a.w_dtype, k);
+      for (int m = 0; m < MM; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp + m * K + k), acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < MM; ++m) {
+      float v = hsum(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) {
+        v += load_f32(w0 + r * c.row_bytes, a.w_dtype, t) * xp[m * K + t];
+      }
+      yb[m * kGemvRowBlock + r] = v;
+    }
+  }
+}
+
 template <int BITS, int MM>
 void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
                const float* bi) {
@@ -162,11 +209,22 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
   const int64_t G = c.G;
   alignas(32) float yb[kGemvMaxMM * kGemvRowBlock];
   int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
+  if constexpr (BITS == 0) {
+    for (; n + R <= n1; n += R) gemv_tile_dense<MM, R>(c, m0, n, yb + (n - n0));
+    for (; n < n1; ++n) gemv_tile_dense<MM, 1>(c, m0, n, yb + (n - n0));
+    for (int m = 0; m < MM; ++m) {
+      for (int64_t r = 0; r < n1 - n0; ++r) {
+        store_f32(c.a->out, c.a->x_dtype, (m0 + m) * c.a->N + n0 + r, yb[m * kGemvRowBlock + r]);
+      }
+    }
+    return;
+  } else {
+    for (; n + R <= n1; n += R) {
+      gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
+    }
+    for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
+    gemv_finish(c, m0, MM, n0, n1, bi, yb);
   }
-  for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
-  gemv_finish(c, m0, MM, n0, n1, bi, yb);
 }
 
 template <int BITS>
@@ -181,7 +239,8 @@ void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
 }
 
 void gemv(const Args& a) {
-  const int64_t M = a.M, K = a.K, G = K / a.group_size;
+  const bool dense = a.bits == 0;
+  const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
   float* xp = tl_x.get(static_cast<size_t>(M * K + M * G + K));
   float* xs = xp + M * K;
   float* tmp = xs + M * G;
@@ -206,23 +265,27 @@ void gemv(const Args& a) {
       std::memcpy(row, tmp, sizeof(float) * K);
     }
   }
-  GemvCtx c{&a, xp, xs, G, K * a.bits / 8};
+  GemvCtx c{&a, xp, xs, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
   const int64_t units = ceil_div(a.N, kGemvRowBlock);
-  auto body = [&c, &a, G, M](int64_t u0, int64_t u1) {
-    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G));
+  auto body = [&c, &a, G, M, dense](int64_t u0, int64_t u1) {
+    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
     for (int64_t u = u0; u < u1; ++u) {
       int64_t n0 = u * kGemvRowBlock;
       int64_t n1 = n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N;
       float* sc = sb;
       float* bi = sb + kGemvRowBlock * G;
-      cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
-      cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+      if (!dense) {
+        cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
+        cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
         int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
         if (a.bits == 4) {
           gemv_dispatch<4>(c, m0, mm, n0, n1, sc, bi);
-        } else {
+        } else if (a.bits == 8) {
           gemv_dispatch<8>(c, m0, mm, n0, n1, sc, bi);
+        } else {
+          gemv_dispatch<0>(c, m0, mm, n0, n1, sc, bi);
         }
       }
     }
@@ -409,13 +472,15 @@ void gemm(const Args& a) {
   };
   par(P, 8, pack);
   const int64_t NB = ceil_div(N, kNR);
-  const int64_t kc_max = (kKC / a.group_size) * a.group_size;
+  const bool dense = a.bits == 0;
+  const int64_t kc_max = dense ? kKC : (kKC / a.group_size) * a.group_size;
   const int64_t pc = kABlockBytes / (K * kMR * 4) > 1 ? kABlockBytes / (K * kMR * 4) : 1;
-  auto body = [pa, ap, K, M, N, P, kc_max, pc, NB](int64_t t0, int64_t t1) {
+  auto body = [pa, ap, K, M, N, P, kc_max, pc, NB, dense](int64_t t0, int64_t t1) {
     const Args& a = *pa;
-    const int64_t G = K / a.group_size;
+    const int64_t G = dense ? 0 : K / a.group_size;
     float* bp = tl_w.get(static_cast<size_t>(kc_max * kNR));
-    float* sb = tl_t.get(static_cast<size_t>(2 * kNR * G));
+    // scales/biases, or the dense panel's row-major staging buffer
+    float* sb = tl_t.get(static_cast<size_t>(dense ? kc_max * kNR : 2 * kNR * G));
     float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * kMR * kNR)) : nullptr;
     // Task t: weight panel t % NB against activation row block t / NB (pc
     // panels, small enough to stay in L2 while the panels pass over it).
@@ -424,10 +489,12 @@ void gemm(const Args& a) {
       const int64_t pe = pb + pc < P ? pb + pc : P;
       const int64_t n0 = (t % NB) * kNR;
       const int64_t nc = N - n0 < kNR ? N - n0 : kNR;
-      load_sb(a, n0, sb);
+      if (!dense) load_sb(a, n0, sb);
       for (int64_t kb = 0; kb < K; kb += kc_max) {
         const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
-        if (a.bits == 4) {
+        if (dense) {
+          dense_panel<kNR>(a, n0, kb, ke, bp, sb);
+        } else if (a.bits == 4) {
           dequant_panel<4>(a, n0, kb, ke, bp, sb);
         } else {
           dequant_panel<8>(a, n0, kb, ke, bp, sb);
@@ -448,7 +515,7 @@ void gemm(const Args& a) {
 } // namespace
 
 void run_avx2(const Args& a) {
-  if (a.bits != 4 && a.bits != 8) {
+  if (a.bits != 0 && a.bits != 4 && a.bits != 8) {
     run_portable(a);
   } else if (a.M <= kGemvMaxRows) {
     gemv(a);

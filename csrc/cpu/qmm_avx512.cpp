@@ -193,6 +193,32 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
   }
 }
 
+// Dense weights (bits == 0): y[m0 + m][n + r] = x[m] . w[n + r] with the
+// weight row converted to fp32 16 values at a time (masked tail: any K).
+template <int MM, int R>
+inline void gemv_tile_dense(const GemvCtx& c, int64_t m0, int64_t n, float* yb) {
+  const Args& a = *c.a;
+  const int64_t K = a.K;
+  const char* w0 = static_cast<const char*>(a.w) + n * c.row_bytes;
+  const int es = dtype_size(a.w_dtype);
+  const float* xp = c.xp + m0 * K;
+  __m512 acc[R][MM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mk = tail_mask(K - k);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(w0 + (r + kPrefetchRows) * c.row_bytes + k * es, _MM_HINT_T0);
+      __m512 wv = load_cvt(w0 + r * c.row_bytes, a.w_dtype, k, mk);
+      for (int m = 0; m < MM; ++m) {
+        acc[r][m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, xp + m * K + k), acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) yb[m * kGemvRowBlock + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
 template <int BITS, int MM>
 void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
                const float* bi) {
@@ -200,11 +226,16 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
   const int64_t G = c.G;
   alignas(64) float yb[kGemvMaxMM * kGemvRowBlock];
   int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
-  }
-  for (; n < n1; ++n) {
-    gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+  if constexpr (BITS == 0) {
+    for (; n + R <= n1; n += R) gemv_tile_dense<MM, R>(c, m0, n, yb + (n - n0));
+    for (; n < n1; ++n) gemv_tile_dense<MM, 1>(c, m0, n, yb + (n - n0));
+  } else {
+    for (; n + R <= n1; n += R) {
+      gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+    }
+    for (; n < n1; ++n) {
+      gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+    }
   }
   const __mmask16 mk = tail_mask(n1 - n0);
   for (int m = 0; m < MM; ++m) {
@@ -229,7 +260,8 @@ void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
 }
 
 void gemv(const Args& a) {
-  const int64_t M = a.M, K = a.K, G = K / a.group_size;
+  const bool dense = a.bits == 0;
+  const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
   // Prepare activations: fp32, permuted for 4 bits, plus per-group sums.
   float* xp = tl_x.get(static_cast<size_t>(M * K + M * G));
   float* xs = xp + M * K;
@@ -239,7 +271,7 @@ void gemv(const Args& a) {
   for (int64_t m = 0; m < M; ++m) {
     float* row = xp + m * K;
     cvt_row(a.x, a.x_dtype, m * K, K, row);
-    for (int64_t g = 0; a.bits != 4 && g < G; ++g) {  // 4 bits: bias is in the LUT
+    for (int64_t g = 0; a.bits == 8 && g < G; ++g) {  // 4 bits: bias is in the LUT
       __m512 s = _mm512_setzero_ps();
       for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += 16) {
         s = _mm512_add_ps(s, _mm512_loadu_ps(row + k));
@@ -254,23 +286,27 @@ void gemv(const Args& a) {
       }
     }
   }
-  GemvCtx c{&a, xp, xs, G, K * a.bits / 8};
+  GemvCtx c{&a, xp, xs, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
   const int64_t units = ceil_div(a.N, kGemvRowBlock);
-  auto body = [&c, &a, G, M](int64_t u0, int64_t u1) {
-    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G));
+  auto body = [&c, &a, G, M, dense](int64_t u0, int64_t u1) {
+    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
     for (int64_t u = u0; u < u1; ++u) {
       int64_t n0 = u * kGemvRowBlock;
       int64_t n1 = n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N;
       float* sc = sb;
       float* bi = sb + kGemvRowBlock * G;
-      cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
-      cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+      if (!dense) {
+        cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
+        cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
         int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
         if (a.bits == 4) {
           gemv_dispatch<4>(c, m0, mm, n0, n1, sc, bi);
-        } else {
+        } else if (a.bits == 8) {
           gemv_dispatch<8>(c, m0, mm, n0, n1, sc, bi);
+        } else {
+          gemv_dispatch<0>(c, m0, mm, n0, n1, sc, bi);
         }
       }
     }
@@ -459,13 +495,15 @@ void gemm(const Args& a) {
   par(P, 4, pack);
   const int64_t NB = ceil_div(N, kNR);
   // k blocks: a [kc][32] weight panel (32 KiB at kc = 256) stays in L1.
-  const int64_t kc_max = (kKC / a.group_size) * a.group_size;
+  const bool dense = a.bits == 0;
+  const int64_t kc_max = dense ? kKC : (kKC / a.group_size) * a.group_size;
   const int64_t pc = (kABlockBytes / (K * kMR * 4) > 1 ? kABlockBytes / (K * kMR * 4) : 1);
-  auto body = [pa, ap, K, M, N, P, kc_max, pc, NB](int64_t t0, int64_t t1) {
+  auto body = [pa, ap, K, M, N, P, kc_max, pc, NB, dense](int64_t t0, int64_t t1) {
     const Args& a = *pa;
-    const int64_t G = K / a.group_size;
+    const int64_t G = dense ? 0 : K / a.group_size;
     float* bp = tl_w.get(static_cast<size_t>(kc_max * kNR));
-    float* sb = tl_t.get(static_cast<size_t>(2 * kNR * G));
+    // scales/biases, or the dense panel's row-major staging buffer
+    float* sb = tl_t.get(static_cast<size_t>(dense ? kc_max * kNR : 2 * kNR * G));
     float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * kMR * kNR)) : nullptr;
     // Task t: weight panel t % NB against activation row block t / NB (pc
     // panels, small enough to stay in L2 while the panels pass over it).
@@ -474,10 +512,12 @@ void gemm(const Args& a) {
       const int64_t pe = pb + pc < P ? pb + pc : P;
       const int64_t n0 = (t % NB) * kNR;
       const int64_t nc = N - n0 < kNR ? N - n0 : kNR;
-      load_sb(a, n0, sb);
+      if (!dense) load_sb(a, n0, sb);
       for (int64_t kb = 0; kb < K; kb += kc_max) {
         const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
-        if (a.bits == 4) {
+        if (dense) {
+          dense_panel<kNR>(a, n0, kb, ke, bp, sb);
+        } else if (a.bits == 4) {
           dequant_panel<4>(a, n0, kb, ke, bp, sb);
         } else {
           dequant_panel<8>(a, n0, kb, ke, bp, sb);
@@ -498,7 +538,7 @@ void gemm(const Args& a) {
 } // namespace
 
 void run_avx512(const Args& a) {
-  if (a.bits != 4 && a.bits != 8) {
+  if (a.bits != 0 && a.bits != 4 && a.bits != 8) {
     run_portable(a);
   } else if (a.M <= kGemvMaxRows) {
     gemv(a);

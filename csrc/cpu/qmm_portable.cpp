@@ -1,5 +1,5 @@
-// Portable C++ quantized matmul: any bits in 2..8, any x86_64/arm64/other
-// CPU. Dequantizes a few weight rows at a time to fp32 and takes dot
+// Portable C++ quantized matmul: any bits in 2..8 or dense weights, any CPU.
+// Dequantizes a few weight rows at a time to fp32 and takes dot
 // products against fp32 activations. Correctness reference for the SIMD
 // paths and their fallback for bit widths they do not specialize.
 #include "cpu/qmm.h"
@@ -16,6 +16,10 @@ constexpr int kRows = 4;  // weight rows dequantized together
 
 // Dequantize row n of w into dst[K] (fp32).
 void dequant_row(const Args& a, int64_t n, float* dst) {
+  if (a.bits == 0) {  // dense
+    for (int64_t k = 0; k < a.K; ++k) dst[k] = load_f32(a.w, a.w_dtype, n * a.K + k);
+    return;
+  }
   const int64_t G = a.K / a.group_size;
   const int64_t row_bytes = a.K * a.bits / 8;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;

@@ -35,6 +35,34 @@ qmm::DType to_qmm(mx::Dtype dt) {
   return qmm::BF16;
 }
 
+// Runs `a` on the encoder's thread with the path chosen now (at eval time).
+// a.x is replaced by x's data, packed there first when x is strided.
+void run_dispatched(qmm::Args a, const mx::array& x, mx::cpu::CommandEncoder& enc) {
+  CpuPath path = cpu_path();
+  DenseInput xin = dense_input(x, enc);
+  a.x = xin.data;
+  enc.dispatch([a, path, xin]() {
+    xin.pack();
+    switch (path) {
+#if defined(MLXFAST_X86)
+      case CpuPath::Avx512: qmm::run_avx512(a); break;
+      case CpuPath::Avx2: qmm::run_avx2(a); break;
+#endif
+#if defined(MLXFAST_ARM64)
+      case CpuPath::Neon: qmm::run_neon(a); break;
+#endif
+      default: qmm::run_portable(a); break;
+    }
+  });
+}
+
+// Weights are usually loaded (evaluated) and dense: no extra graph node
+// then. x is usually lazy; a strided x is packed inside eval_cpu instead of
+// adding a Contiguous node to every call (~5 us each on this CPU).
+mx::array dense_weight(const mx::array& a, mx::Stream stream) {
+  return (a.is_available() && a.flags().row_contiguous) ? a : mx::contiguous(a, false, stream);
+}
+
 } // namespace
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w,
@@ -76,18 +104,10 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w,
     fail(msg.str());
   }
   auto stream = mx::to_stream(s);
-  // Weights are usually loaded (evaluated) and dense: no extra graph node
-  // then. x is usually lazy; a strided x is packed inside eval_cpu instead
-  // of adding a Contiguous node to every call (~5 us each on this CPU).
-  auto dense = [&](const mx::array& a) {
-    return (a.is_available() && a.flags().row_contiguous)
-               ? a
-               : mx::contiguous(a, false, stream);
-  };
   const auto& xc = x;
-  auto wc = dense(w);
-  auto sc = dense(scales);
-  auto bc = dense(biases);
+  auto wc = dense_weight(w, stream);
+  auto sc = dense_weight(scales, stream);
+  auto bc = dense_weight(biases, stream);
   mx::Shape out_shape = x.shape();
   out_shape.back() = static_cast<int>(N);
   return mx::array(std::move(out_shape), x.dtype(),
@@ -124,8 +144,8 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   a.biases = bi.data<void>();
   a.out = out.data<void>();
   a.K = x.shape(-1);
-  a.M = a.K > 0 ? static_cast<int64_t>(x.size()) / a.K : 0;
   a.N = w.shape(0);
+  a.M = a.N > 0 ? static_cast<int64_t>(out.size()) / a.N : 0;  // also right for K == 0
   a.group_size = group_size_;
   a.bits = bits_;
   a.x_dtype = to_qmm(x.dtype());
@@ -135,22 +155,68 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
     std::memset(out.data<void>(), 0, out.nbytes());
     return;
   }
-  CpuPath path = cpu_path();
-  DenseInput xin = dense_input(x, enc);
-  a.x = xin.data;
-  enc.dispatch([a, path, xin]() {
-    xin.pack();
-    switch (path) {
-#if defined(MLXFAST_X86)
-      case CpuPath::Avx512: qmm::run_avx512(a); break;
-      case CpuPath::Avx2: qmm::run_avx2(a); break;
-#endif
-#if defined(MLXFAST_ARM64)
-      case CpuPath::Neon: qmm::run_neon(a); break;
-#endif
-      default: qmm::run_portable(a); break;
-    }
-  });
+  run_dispatched(a, x, enc);
+}
+
+mx::array dense_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  const char* op = "dense_matmul";
+  if (!is_float(x.dtype()) || !is_float(w.dtype())) {
+    fail(op, "x and w must be float32, float16 or bfloat16.");
+  }
+  if (x.ndim() < 1) fail(op, "x must have at least one dimension.");
+  if (w.ndim() != 2) fail(op, "w must be 2-D [N, K].");
+  if (x.shape(-1) != w.shape(1)) {
+    std::ostringstream msg;
+    msg << "shape mismatch: x has K=" << x.shape(-1) << " but w is " << w.shape() << ".";
+    fail(op, msg.str());
+  }
+  auto stream = mx::to_stream(s);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = w.shape(0);
+  return mx::array(std::move(out_shape), x.dtype(), std::make_shared<DenseMatmul>(stream),
+                   {x, dense_weight(w, stream)});
+}
+
+std::vector<mx::Shape> DenseMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape out = inputs[0].shape();
+  out.back() = inputs[1].shape(0);
+  return {out};
+}
+
+void DenseMatmul::eval_cpu(const std::vector<mx::array>& inputs,
+                           std::vector<mx::array>& outputs) {
+  auto& x = inputs[0];
+  auto& w = inputs[1];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(x);
+  enc.set_input_array(w);
+  enc.set_output_array(out);
+  qmm::Args a;
+  a.x = x.data<void>();
+  a.w = w.data<void>();
+  a.scales = a.biases = nullptr;
+  a.out = out.data<void>();
+  a.K = x.shape(-1);
+  a.N = w.shape(0);
+  a.M = a.N > 0 ? static_cast<int64_t>(out.size()) / a.N : 0;  // also right for K == 0
+  a.group_size = 0;
+  a.bits = 0;
+  a.x_dtype = to_qmm(x.dtype());
+  a.s_dtype = qmm::F32;
+  a.w_dtype = to_qmm(w.dtype());
+  if (a.M == 0 || a.N == 0) return;
+  if (a.K == 0) {
+    std::memset(out.data<void>(), 0, out.nbytes());
+    return;
+  }
+  run_dispatched(a, x, enc);
+}
+
+void DenseMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "[mlxfast.dense_matmul] no GPU kernel; mlxfast.ops uses the MLX reference on GPU.");
 }
 
 void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&,

@@ -1,7 +1,9 @@
 // quantized_matmul(x, w, scales, biases) = x @ dequantize(w).T for MLX's
-// affine quantization (transpose=True), as one primitive with native CPU
-// kernels: a weight-streaming GEMV path for few rows and a blocked GEMM path
-// for many, per ISA (portable, AVX2, AVX-512, NEON).
+// affine quantization (transpose=True), and dense_matmul(x, w) = x @ w.T,
+// as primitives with native CPU kernels: a weight-streaming GEMV path for
+// few rows and a blocked GEMM path for many, per ISA (portable, AVX2,
+// AVX-512, NEON). Both share one driver (csrc/cpu/qmm_*.cpp); dense weights
+// are "bits 0" there.
 #pragma once
 
 #include "mlx/array.h"
@@ -38,6 +40,25 @@ class QuantizedMatmul : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+};
+
+// x: [..., K], w: [N, K], both float32/float16/bfloat16 (any mix).
+// Returns [..., N] in x's dtype, accumulated in float32. MLX's CPU matmul
+// is a reference BLAS at ~3-4 GFLOP/s on Linux; this is the path for
+// unquantized models.
+mx::array dense_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+
+class DenseMatmul : public mx::Primitive {
+ public:
+  explicit DenseMatmul(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxfastDenseMatmul"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
 };
 
 } // namespace mlxfast
