@@ -180,3 +180,36 @@ def test_native_gather(dtype):
     got = ops.paged_gather(kp, tables, 16)
     ref = ops.paged_gather_reference(kp, tables, 16)
     np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)))
+
+
+@native
+@pytest.mark.parametrize("path", [p for p in ("portable", "avx2", "avx512") if ops.cpu_supports(p)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 96)])
+def test_native_prefill_chunks_every_path(path, dtype, Hq, Hkv, D):
+    """Long prefill chunks (whole 16-token query tiles, several key blocks,
+    chunks that start mid-sequence and mid-block, a partly filled last
+    block): the register-blocked AVX-512 tile kernel (head dims 64/128)
+    and the generic kernel of every path against the reference."""
+    ops.set_cpu_path(path)
+    try:
+        rng = random.Random(D + Hq)
+        mx.random.seed(D)
+        bs = 16
+        seqs, used, perm = [], 0, list(range(200))
+        rng.shuffle(perm)
+        for start, n in [(0, 70), (37, 45), (100, 3), (5, 1)]:
+            nb = -(-(start + n) // bs)
+            seqs.append(SeqSlice(perm[used:used + nb], start, n))
+            used += nb
+        kp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
+        vp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
+        q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
+        tables, seq_idx, positions = flat_meta(seqs)
+        args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
+        got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
+        ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)),
+                                   atol=TOL[dtype], rtol=TOL[dtype])
+    finally:
+        ops.set_cpu_path("")

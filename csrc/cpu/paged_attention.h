@@ -119,12 +119,18 @@ inline void prefetch_rows(const char* base, int64_t first_row_bytes_off, int row
       __builtin_prefetch(base + first_row_bytes_off + r * row_stride + o);
 }
 
+// An ISA file may take over some work items (a tile of tokens t0..t1 of one
+// sequence against kv head kh) with a faster kernel; it returns false to
+// leave the item to the generic one.
+using ItemFn = bool (*)(const Args& a, int64_t t0, int64_t t1, int kh);
+
 template <int W>
 struct Kernel {
   struct Ctx {
     const Args* a;
     const int64_t* tiles;  // [n_tiles + 1] token offsets
     int64_t n_tiles;
+    ItemFn fast;
   };
 
   static void run_range(void* vctx, int64_t begin, int64_t end) {
@@ -152,6 +158,7 @@ struct Kernel {
       const int kh = static_cast<int>(it % a.Hkv);
       ti = (ti % 2 == 0) ? ti / 2 : NT - 1 - ti / 2;
       const int64_t t0 = c.tiles[ti], t1 = c.tiles[ti + 1];
+      if (c.fast != nullptr && c.fast(a, t0, t1, kh)) continue;
       const int nq = static_cast<int>(t1 - t0);
       const int32_t s = a.seq_idx[t0];
       const bool valid = s >= 0 && s < a.S;
@@ -254,7 +261,7 @@ struct Kernel {
     std::free(scratch);
   }
 
-  static void run(const Args& a) {
+  static void run(const Args& a, ItemFn fast = nullptr) {
     // Tiles: runs of up to kTile consecutive tokens with the same sequence.
     int64_t* tiles = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.T + 1)));
     int64_t nt = 0;
@@ -263,7 +270,7 @@ struct Kernel {
         tiles[nt++] = t;
     }
     tiles[nt] = a.T;
-    Ctx c{&a, tiles, nt};
+    Ctx c{&a, tiles, nt, fast};
     parallel(nt * a.Hkv, 1, &Kernel::run_range, &c);
     std::free(tiles);
   }

@@ -1,8 +1,263 @@
 // Paged attention compiled with AVX-512 (see paged_attention.h).
+//
+// Prefill tiles (at least 16 query rows: tokens x heads sharing a kv head)
+// with head dims 64 or 128 take a register-blocked path; everything else
+// (decode rows, other head dims) runs the generic kernel.
+//   scores: S[key][row] = K . Q^T with Q transposed once per tile, so each
+//     vector holds 16 query rows of one key (4 keys x up to 3 row vectors
+//     in registers per pass over d). The causal mask, the block maximum and
+//     exp (vectorised, Cody-Waite + degree-6 polynomial + vscalefps) all run
+//     across rows in those vectors.
+//   values: acc[row][:] += P[key][row] * V[key][:], a few rows' accumulators
+//     in registers per pass over the block's keys.
+// Same online softmax per block as the generic kernel, float32 throughout.
+#include <immintrin.h>
+
 #include "cpu/paged_attention.h"
 
 namespace mlxfast {
 namespace pa {
-void run_avx512(const Args& a) { Kernel<16>::run(a); }
+
+namespace {
+
+struct Buf {  // per-thread scratch that only grows
+  float* p = nullptr;
+  size_t cap = 0;
+  float* get(size_t n) {
+    if (n > cap) {
+      std::free(p);
+      size_t bytes = ((n * sizeof(float)) + 63) & ~static_cast<size_t>(63);
+      p = static_cast<float*>(std::aligned_alloc(64, bytes));
+      cap = bytes / sizeof(float);
+    }
+    return p;
+  }
+};
+thread_local Buf tl_buf;
+
+inline __m512 load16(const char* p, DType dt) {
+  switch (dt) {
+    case F32: return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+    case F16: return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    default:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+}
+
+// e^x, inputs clamped to [-104, 88] (below: ~0, denormal or zero).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// S[i][c*16 ..] for keys i0 .. i0+3 (kb: their rows in fp32, [4][D]) and
+// row vectors c0 .. c0+NC-1; keys past the query's position get -inf.
+template <int D, int NC>
+inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const int32_t* qpos,
+                     int64_t key, int nvalid, float* S) {
+  __m512 acc[4][NC];
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qt + d * Rp + (c0 + c) * 16);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 kv = _mm512_set1_ps(kb[j * D + d]);
+      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_fmadd_ps(kv, qv[c], acc[j][c]);
+    }
+  }
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int j = 0; j < nvalid; ++j) {
+    const __m512i kidx = _mm512_set1_epi32(static_cast<int>(key + j));
+    for (int c = 0; c < NC; ++c) {
+      const __m512i qp = _mm512_load_si512(qpos + (c0 + c) * 16);
+      const __mmask16 future = _mm512_cmpgt_epi32_mask(kidx, qp);
+      _mm512_store_ps(S + j * Rp + (c0 + c) * 16, _mm512_mask_mov_ps(acc[j][c], future, ninf));
+    }
+  }
+}
+
+// acc rows r0 .. r0+RG-1 ([R][DV] in memory) = alpha * acc + P^T V over nk keys.
+template <int DV, int RG>
+inline void pv_rows(const Args& a, const char* vbase, int64_t vrow, int64_t slot0, int nk,
+                    const float* S, int64_t Rp, int r0, const float* alpha, float* acc) {
+  constexpr int NV = DV / 16;
+  __m512 o[RG][NV];
+  for (int r = 0; r < RG; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
+    for (int v = 0; v < NV; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_load_ps(acc + (r0 + r) * DV + v * 16));
+  }
+  const int es = a.kv_dtype == F32 ? 4 : 2;
+  for (int i = 0; i < nk; ++i) {
+    const char* vp = vbase + (slot0 + i) * vrow;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, a.kv_dtype);
+    for (int r = 0; r < RG; ++r) {
+      const __m512 p = _mm512_set1_ps(S[i * Rp + r0 + r]);
+      for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(p, vv[v], o[r][v]);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + r) * DV + v * 16, o[r][v]);
+}
+
+template <int DV, int RG>
+inline void pv_tail(const Args& a, const char* vbase, int64_t vrow, int64_t slot0, int nk,
+                    const float* S, int64_t Rp, int r0, int rg, const float* alpha, float* acc) {
+  if constexpr (RG > 1) {
+    if (rg < RG) return pv_tail<DV, RG - 1>(a, vbase, vrow, slot0, nk, S, Rp, r0, rg, alpha, acc);
+  }
+  pv_rows<DV, RG>(a, vbase, vrow, slot0, nk, S, Rp, r0, alpha, acc);
+}
+
+template <int D>
+void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
+  constexpr int DV = D;
+  constexpr int RG = DV == 64 ? 6 : 3;  // rows per P.V pass: 24 accumulators
+  const int G = a.Hq / a.Hkv, bs = a.bs;
+  const int nq = static_cast<int>(t1 - t0), R = nq * G;
+  const int RC = (R + 15) / 16;
+  const int64_t Rp = static_cast<int64_t>(RC) * 16;
+  const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = a.kv_dtype == F32 ? 4 : 2;
+  // scratch: Qt [D][Rp], S [bs][Rp], acc [R][DV], m, l, alpha [Rp], kb [4][D], qpos [Rp]
+  float* qt = tl_buf.get(static_cast<size_t>(D * Rp + bs * Rp + R * DV + 4 * Rp + 4 * D));
+  float* S = qt + D * Rp;
+  float* acc = S + bs * Rp;
+  float* m = acc + static_cast<size_t>(R) * DV;
+  float* l = m + Rp;
+  float* alpha = l + Rp;
+  int32_t* qpos = reinterpret_cast<int32_t*>(alpha + Rp);
+  float* kb = alpha + 2 * Rp;
+
+  const int32_t s = a.seq_idx[t0];
+  const bool valid = s >= 0 && s < a.S;
+  int64_t n_keys = 0;
+  for (int r = 0; r < Rp; ++r) {
+    int64_t p = -1;
+    if (r < R) {
+      p = a.pos[t0 + r / G];
+      if (p > a.B * bs - 1) p = a.B * bs - 1;
+    }
+    qpos[r] = static_cast<int32_t>(p);
+    if (p + 1 > n_keys) n_keys = p + 1;
+  }
+  for (int r = 0; r < Rp; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::memset(acc, 0, sizeof(float) * R * DV);
+  std::memset(qt, 0, sizeof(float) * D * Rp);
+  for (int r = 0; r < R; ++r) {
+    const int j = r / G, h = kh * G + r % G;
+    const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      alignas(64) float t[16];
+      _mm512_store_ps(t, _mm512_mul_ps(load16(qp + d0 * qes, a.q_dtype), _mm512_set1_ps(a.scale)));
+      for (int d = 0; d < 16; ++d) qt[(d0 + d) * Rp + r] = t[d];
+    }
+  }
+  if (valid && n_keys > 0) {
+    const int32_t* table = a.tables + static_cast<int64_t>(s) * a.B;
+    const int64_t nblk = (n_keys + bs - 1) / bs;
+    const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;
+    const int64_t vrow = static_cast<int64_t>(a.Hkv) * DV * kes;
+    const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
+    const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * DV * kes;
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t blk = table[b];
+      if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
+      const int64_t key0 = b * bs;
+      const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
+      for (int i0 = 0; i0 < nk; i0 += 4) {
+        const int nv = nk - i0 < 4 ? nk - i0 : 4;
+        for (int j = 0; j < 4; ++j) {
+          for (int d0 = 0; d0 < D; d0 += 16) {
+            _mm512_storeu_ps(kb + j * D + d0,
+                             j < nv ? load16(kbase + (blk * bs + i0 + j) * krow + d0 * kes,
+                                             a.kv_dtype)
+                                    : _mm512_setzero_ps());
+          }
+        }
+        int c = 0;
+        for (; c + 3 <= RC; c += 3) qk_keys4<D, 3>(kb, qt, Rp, c, qpos, key0 + i0, nv, S + i0 * Rp);
+        if (RC - c == 2) qk_keys4<D, 2>(kb, qt, Rp, c, qpos, key0 + i0, nv, S + i0 * Rp);
+        if (RC - c == 1) qk_keys4<D, 1>(kb, qt, Rp, c, qpos, key0 + i0, nv, S + i0 * Rp);
+      }
+      const __m512 ninf = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < RC; ++c) {
+        __m512 mb = ninf;
+        for (int i = 0; i < nk; ++i) mb = _mm512_max_ps(mb, _mm512_load_ps(S + i * Rp + c * 16));
+        const __m512 m_old = _mm512_load_ps(m + c * 16);
+        const __m512 m_new = _mm512_max_ps(m_old, mb);
+        // Rows with no visible key yet keep m = -inf: shift by 0 there.
+        const __m512 m_use = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),
+                                                _mm512_setzero_ps());
+        const __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ),
+                                              exp16(_mm512_sub_ps(m_old, m_use)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < nk; ++i) {
+          const __m512 x = _mm512_load_ps(S + i * Rp + c * 16);
+          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
+                                               exp16(_mm512_sub_ps(x, m_use)));
+          _mm512_store_ps(S + i * Rp + c * 16, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_store_ps(l + c * 16, _mm512_fmadd_ps(_mm512_load_ps(l + c * 16), al, sum));
+        _mm512_store_ps(m + c * 16, m_new);
+        _mm512_store_ps(alpha + c * 16, al);
+      }
+      for (int r0 = 0; r0 < R; r0 += RG) {
+        const int rg = R - r0 < RG ? R - r0 : RG;
+        pv_tail<DV, RG>(a, vbase, vrow, blk * bs, nk, S, Rp, r0, rg, alpha, acc);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int j = r / G, h = kh * G + r % G;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float* ag = acc + static_cast<size_t>(r) * DV;
+    const int64_t o = ((t0 + j) * a.Hq + h) * DV;
+    for (int d = 0; d < DV; ++d) {
+      const float v = ag[d] * inv;
+      if (a.q_dtype == F32) {
+        static_cast<float*>(a.out)[o + d] = v;
+      } else if (a.q_dtype == F16) {
+        static_cast<uint16_t*>(a.out)[o + d] = f2h(v);
+      } else {
+        static_cast<uint16_t*>(a.out)[o + d] = f2b(v);
+      }
+    }
+  }
+}
+
+bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
+  if ((t1 - t0) * (a.Hq / a.Hkv) < 16 || a.D != a.Dv) return false;
+  if (a.D == 64) {
+    tile<64>(a, t0, t1, kh);
+    return true;
+  }
+  if (a.D == 128) {
+    tile<128>(a, t0, t1, kh);
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void run_avx512(const Args& a) { Kernel<16>::run(a, &fast_item); }
+
 }  // namespace pa
 }  // namespace mlxfast
