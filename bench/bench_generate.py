@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[512, 2048])
     ap.add_argument("--oracle-max-prefill", type=int, default=512,
                     help="skip mlx-lm prefill above this length (it takes minutes)")
+    ap.add_argument("--no-mlx-lm", action="store_true",
+                    help="only mlxfast and llama.cpp (mlx-lm takes minutes on Linux CPU)")
     args = ap.parse_args()
 
     from mlxfast.convert import convert_gguf
@@ -132,9 +134,10 @@ def main() -> None:
 
     gguf = default_model_path()
     rows = {"mlxfast": bench_mlxfast(None, args.decode, args.prefill)}
-    with tempfile.TemporaryDirectory() as d:
-        convert_gguf(gguf, d)
-        rows["mlx-lm"] = bench_mlx_lm(d, args.decode, args.prefill, args.oracle_max_prefill)
+    if not args.no_mlx_lm:
+        with tempfile.TemporaryDirectory() as d:
+            convert_gguf(gguf, d)
+            rows["mlx-lm"] = bench_mlx_lm(d, args.decode, args.prefill, args.oracle_max_prefill)
     lc = bench_llama_cpp(gguf, args.decode, args.prefill)
     if lc:
         rows["llama.cpp"] = lc
