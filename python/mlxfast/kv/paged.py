@@ -63,17 +63,24 @@ class PagedContext:
         self.T = T = sum(s.n for s in seqs)
         if T == 0:
             raise ValueError("empty step")
-        positions = np.empty(T, np.int32)
-        slots = np.empty(T, np.int32)
-        seq_idx = np.empty(T, np.int32)
-        t = 0
-        for i, s in enumerate(seqs):
-            pos = np.arange(s.start, s.start + s.n, dtype=np.int64)
-            table = np.asarray(s.block_table, dtype=np.int64)
-            positions[t:t + s.n] = pos
-            slots[t:t + s.n] = table[pos // bs] * bs + pos % bs
-            seq_idx[t:t + s.n] = i
-            t += s.n
+        # A few whole-array numpy calls per step, whatever the number of rows
+        # (per-row numpy calls cost ~20 us each).
+        S = len(seqs)
+        nbs = [-(-(s.start + s.n) // bs) for s in seqs]
+        max_blocks = max(nbs)
+        if any(len(s.block_table) < nb for s, nb in zip(seqs, nbs)):
+            raise ValueError("a block table does not cover its sequence's positions")
+        tables = np.array([s.block_table[:nb] + [0] * (max_blocks - nb) for s, nb in zip(seqs, nbs)],
+                          np.int32)
+        if T == S:  # decode rows only: one token each
+            positions = np.array([s.start for s in seqs], np.int32)
+            seq_idx = np.arange(S, dtype=np.int32)
+        else:
+            ns = np.array([s.n for s in seqs])
+            seq_idx = np.repeat(np.arange(S, dtype=np.int32), ns)
+            first = np.array([s.start for s in seqs]) - (np.cumsum(ns) - ns)  # position - token index
+            positions = (np.repeat(first, ns) + np.arange(T)).astype(np.int32)
+        slots = tables[seq_idx, positions // bs] * bs + positions % bs
         self.positions_np = positions
         self.positions = mx.array(positions)
         self.offsets = mx.array(positions[:, None])  # [T, 1]: the model's positions as they are
@@ -82,11 +89,6 @@ class PagedContext:
             native = ops.has_native_paged_attention()
         self.native = native
         if native:
-            max_blocks = max(-(-(s.start + s.n) // bs) for s in seqs)
-            tables = np.zeros((len(seqs), max_blocks), np.int32)
-            for i, s in enumerate(seqs):
-                nb = -(-(s.start + s.n) // bs)
-                tables[i, :nb] = s.block_table[:nb]
             self.block_tables = mx.array(tables)
             self.seq_idx = mx.array(seq_idx)
         else:

@@ -97,11 +97,13 @@ class Attention(nn.Module):
                 self.pop(name)
             self.qkv_proj = fused
 
+    # Hot paths read children and arrays with self["name"] (see models/layers.py).
     def __call__(self, x: mx.array, cache, positions: mx.array) -> mx.array:
-        B, L, _ = x.shape
-        if "qkv_proj" in self:
-            q, k, v = self._fused_qkv(self.qkv_proj(x), positions)
+        qkv_proj = self.get("qkv_proj")
+        if qkv_proj is not None:
+            q, k, v = self._fused_qkv(qkv_proj(x), positions)
         else:
+            B, L, _ = x.shape
             q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
             k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
             v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -109,16 +111,18 @@ class Attention(nn.Module):
                 q = self.q_norm(q)
                 k = self.k_norm(k)
             q, k = self.rope(q, positions), self.rope(k, positions)
-        return self.o_proj(cache.attend(self.layer, q, k, v, self.scale))
+        return self["o_proj"](cache.attend(self.layer, q, k, v, self.scale))
 
     def _fused_qkv(self, qkv: mx.array, positions: mx.array):
-        rope = self.rope
+        rope = self["rope"]
         norms = {}
-        if "q_norm" in self:
-            norms = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, eps=self.q_norm.eps)
+        q_norm = self.get("q_norm")
+        if q_norm is not None:
+            norms = dict(q_norm=q_norm["weight"], k_norm=self["k_norm"]["weight"], eps=q_norm.eps)
         return ops.qkv_rope(
             qkv, positions, self.n_heads, self.n_kv_heads, self.head_dim, rope.dims,
-            traditional=rope.traditional, base=rope.base, scale=rope.scale, freqs=rope._freqs,
+            traditional=rope.traditional, base=rope.base, scale=rope.scale,
+            freqs=rope.get("_freqs"),  # an array (in the dict) or None (not there)
             **norms,
         )
 
@@ -140,8 +144,9 @@ class MLP(nn.Module):
             self.gate_up_proj = fused
 
     def __call__(self, x: mx.array) -> mx.array:
-        if "gate_up_proj" in self:
-            return self.down_proj(ops.silu_mul_halves(self.gate_up_proj(x)))
+        gate_up = self.get("gate_up_proj")
+        if gate_up is not None:
+            return self["down_proj"](ops.silu_mul_halves(gate_up(x)))
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -154,8 +159,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache, positions: mx.array) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self["self_attn"](self["input_layernorm"](x), cache, positions)
+        return h + self["mlp"](self["post_attention_layernorm"](h))
 
 
 class Body(nn.Module):
@@ -186,18 +191,21 @@ class Model(nn.Module):
         return self.model.layers
 
     def __call__(self, tokens: mx.array, cache, logit_rows: mx.array | None = None) -> mx.array:
-        h = self.model.embed_tokens(tokens)
-        if h.dtype != self.dtype:
-            h = h.astype(self.dtype)
+        body = self["model"]
+        embed, norm = body["embed_tokens"], body["norm"]
+        h = embed(tokens)
+        dtype = norm["weight"].dtype
+        if h.dtype != dtype:
+            h = h.astype(dtype)
         positions = token_positions(cache.offsets, *tokens.shape[:2])
-        for layer in self.model.layers:
+        for layer in body["layers"]:
             h = layer(h, cache, positions)
         if logit_rows is not None:
             h = h.reshape(-1, h.shape[-1])[logit_rows]
-        h = self.model.norm(h)
+        h = norm(h)
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+            return embed.as_linear(h)
+        return self["lm_head"](h)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections (after the weights are loaded)."""
