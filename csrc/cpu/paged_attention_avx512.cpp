@@ -89,10 +89,12 @@ inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const
   }
 }
 
-// acc rows r0 .. r0+RG-1 ([R][DV] in memory) = alpha * acc + P^T V over nk keys.
+// acc rows r0 .. r0+RG-1 ([R][DV] in memory) = alpha * acc + P^T V over nk
+// keys, with P[key i][row r] at S[i * si + r * sr].
 template <int DV, int RG>
 inline void pv_rows(const Args& a, const char* vbase, int64_t vrow, int64_t slot0, int nk,
-                    const float* S, int64_t Rp, int r0, const float* alpha, float* acc) {
+                    const float* S, int64_t si, int64_t sr, int r0, const float* alpha,
+                    float* acc) {
   constexpr int NV = DV / 16;
   __m512 o[RG][NV];
   for (int r = 0; r < RG; ++r) {
@@ -105,7 +107,7 @@ inline void pv_rows(const Args& a, const char* vbase, int64_t vrow, int64_t slot
     __m512 vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, a.kv_dtype);
     for (int r = 0; r < RG; ++r) {
-      const __m512 p = _mm512_set1_ps(S[i * Rp + r0 + r]);
+      const __m512 p = _mm512_set1_ps(S[i * si + (r0 + r) * sr]);
       for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(p, vv[v], o[r][v]);
     }
   }
@@ -115,11 +117,165 @@ inline void pv_rows(const Args& a, const char* vbase, int64_t vrow, int64_t slot
 
 template <int DV, int RG>
 inline void pv_tail(const Args& a, const char* vbase, int64_t vrow, int64_t slot0, int nk,
-                    const float* S, int64_t Rp, int r0, int rg, const float* alpha, float* acc) {
+                    const float* S, int64_t si, int64_t sr, int r0, int rg, const float* alpha,
+                    float* acc) {
   if constexpr (RG > 1) {
-    if (rg < RG) return pv_tail<DV, RG - 1>(a, vbase, vrow, slot0, nk, S, Rp, r0, rg, alpha, acc);
+    if (rg < RG) {
+      return pv_tail<DV, RG - 1>(a, vbase, vrow, slot0, nk, S, si, sr, r0, rg, alpha, acc);
+    }
   }
-  pv_rows<DV, RG>(a, vbase, vrow, slot0, nk, S, Rp, r0, alpha, acc);
+  pv_rows<DV, RG>(a, vbase, vrow, slot0, nk, S, si, sr, r0, alpha, acc);
+}
+
+// Lane k of the result = sum of the 16 lanes of v[k].
+inline __m512 reduce16x16(__m512 v[16]) {
+  __m512 t[8], u[4], z[2];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Tiles of fewer than 16 query rows (decode: one token x the kv head's
+// query heads): scores for 16 keys at a time per row (16 dot products
+// reduced together), softmax over the block across keys, then P.V with
+// the rows' outputs in registers.
+template <int D>
+void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
+  constexpr int NV = D / 16;
+  constexpr int RG = D == 64 ? 6 : 3;
+  const int G = a.Hq / a.Hkv, bs = a.bs;
+  const int nq = static_cast<int>(t1 - t0), R = nq * G;  // R < 16
+  const int bsp = (bs + 15) / 16 * 16;
+  const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = a.kv_dtype == F32 ? 4 : 2;
+  // scratch: q [R][D], St [R][bsp], acc [R][D], m, l, alpha [16], kb [16][D]
+  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * bsp + R * D + 48 + 16 * D));
+  float* St = qf + R * D;
+  float* acc = St + static_cast<size_t>(R) * bsp;
+  float* m = acc + static_cast<size_t>(R) * D;
+  float* l = m + 16;
+  float* alpha = l + 16;
+  float* kb = alpha + 16;
+  int64_t qpos[16];
+  const int32_t s = a.seq_idx[t0];
+  const bool valid = s >= 0 && s < a.S;
+  int64_t n_keys = 0;
+  for (int j = 0; j < nq; ++j) {
+    int64_t p = a.pos[t0 + j];
+    if (p > a.B * bs - 1) p = a.B * bs - 1;
+    qpos[j] = p;
+    if (p + 1 > n_keys) n_keys = p + 1;
+  }
+  for (int r = 0; r < R; ++r) {
+    const int j = r / G, h = kh * G + r % G;
+    const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
+    for (int v = 0; v < NV; ++v) {
+      _mm512_store_ps(qf + r * D + v * 16, _mm512_mul_ps(load16(qp + v * 16 * qes, a.q_dtype),
+                                                         _mm512_set1_ps(a.scale)));
+    }
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::memset(acc, 0, sizeof(float) * R * D);
+  if (valid && n_keys > 0) {
+    const int32_t* table = a.tables + static_cast<int64_t>(s) * a.B;
+    const int64_t nblk = (n_keys + bs - 1) / bs;
+    const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;
+    const int64_t vrow = krow;
+    const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
+    const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * D * kes;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t blk = table[b];
+      if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
+      if (b + 1 < nblk) {
+        const int64_t nxt = table[b + 1];
+        if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
+          prefetch_rows(kbase, nxt * bs * krow, bs, krow, D * static_cast<int>(kes));
+          prefetch_rows(vbase, nxt * bs * vrow, bs, vrow, D * static_cast<int>(kes));
+        }
+      }
+      const int64_t key0 = b * bs;
+      const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
+      for (int i0 = 0; i0 < nk; i0 += 16) {
+        const int nv = nk - i0 < 16 ? nk - i0 : 16;
+        for (int k = 0; k < 16; ++k) {
+          for (int v = 0; v < NV; ++v) {
+            _mm512_store_ps(kb + k * D + v * 16,
+                            k < nv ? load16(kbase + (blk * bs + i0 + k) * krow + v * 16 * kes,
+                                            a.kv_dtype)
+                                   : _mm512_setzero_ps());
+          }
+        }
+        const __m512i kidx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + i0)));
+        const __mmask16 in_block = nv >= 16 ? static_cast<__mmask16>(0xffff)
+                                            : static_cast<__mmask16>((1u << nv) - 1u);
+        for (int r = 0; r < R; ++r) {
+          __m512 part[16];
+          for (int k = 0; k < 16; ++k) {
+            __m512 p = _mm512_mul_ps(_mm512_load_ps(qf + r * D), _mm512_load_ps(kb + k * D));
+            for (int v = 1; v < NV; ++v) {
+              p = _mm512_fmadd_ps(_mm512_load_ps(qf + r * D + v * 16),
+                                  _mm512_load_ps(kb + k * D + v * 16), p);
+            }
+            part[k] = p;
+          }
+          const __mmask16 ok = _mm512_mask_cmple_epi32_mask(
+              in_block, kidx, _mm512_set1_epi32(static_cast<int>(qpos[r / G])));
+          _mm512_store_ps(St + r * bsp + i0, _mm512_mask_mov_ps(ninf, ok, reduce16x16(part)));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        float* sr = St + r * bsp;
+        __m512 mv = ninf;
+        for (int i0 = 0; i0 < nk; i0 += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sr + i0));
+        const float mb = _mm512_reduce_max_ps(mv);
+        const float mn = m[r] > mb ? m[r] : mb;
+        const float mu = mn == -INFINITY ? 0.f : mn;
+        alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mu);
+        __m512 sum = _mm512_setzero_ps();
+        for (int i0 = 0; i0 < nk; i0 += 16) {
+          const __m512 x = _mm512_load_ps(sr + i0);
+          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
+                                               exp16(_mm512_sub_ps(x, _mm512_set1_ps(mu))));
+          _mm512_store_ps(sr + i0, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+        m[r] = mn;
+      }
+      for (int r0 = 0; r0 < R; r0 += RG) {
+        const int rg = R - r0 < RG ? R - r0 : RG;
+        pv_tail<D, RG>(a, vbase, vrow, blk * bs, nk, St, 1, bsp, r0, rg, alpha, acc);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int j = r / G, h = kh * G + r % G;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const int64_t o = ((t0 + j) * a.Hq + h) * D;
+    for (int d = 0; d < D; ++d) {
+      const float v = acc[r * D + d] * inv;
+      if (a.q_dtype == F32) {
+        static_cast<float*>(a.out)[o + d] = v;
+      } else if (a.q_dtype == F16) {
+        static_cast<uint16_t*>(a.out)[o + d] = f2h(v);
+      } else {
+        static_cast<uint16_t*>(a.out)[o + d] = f2b(v);
+      }
+    }
+  }
 }
 
 template <int D>
@@ -220,7 +376,7 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
       }
       for (int r0 = 0; r0 < R; r0 += RG) {
         const int rg = R - r0 < RG ? R - r0 : RG;
-        pv_tail<DV, RG>(a, vbase, vrow, blk * bs, nk, S, Rp, r0, rg, alpha, acc);
+        pv_tail<DV, RG>(a, vbase, vrow, blk * bs, nk, S, Rp, 1, r0, rg, alpha, acc);
       }
     }
   }
@@ -243,16 +399,14 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
 }
 
 bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
-  if ((t1 - t0) * (a.Hq / a.Hkv) < 16 || a.D != a.Dv) return false;
+  if (a.D != a.Dv || (a.D != 64 && a.D != 128)) return false;
+  const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
   if (a.D == 64) {
-    tile<64>(a, t0, t1, kh);
-    return true;
+    prefill ? tile<64>(a, t0, t1, kh) : decode_tile<64>(a, t0, t1, kh);
+  } else {
+    prefill ? tile<128>(a, t0, t1, kh) : decode_tile<128>(a, t0, t1, kh);
   }
-  if (a.D == 128) {
-    tile<128>(a, t0, t1, kh);
-    return true;
-  }
-  return false;
+  return true;
 }
 
 }  // namespace
