@@ -16,6 +16,7 @@
 #include "ops/qkv_rope.h"
 #include "ops/paged_attention.h"
 #include "ops/kv_quant.h"
+#include "ops/sample.h"
 #include "io/bind_io.h"
 
 namespace nb = nanobind;
@@ -65,6 +66,8 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "merge_heads"_a = false, "stream"_a = nb::none());
   m.def("paged_gather", &mlxfast::paged_gather, "pool"_a, "block_tables"_a, "block_size"_a,
         nb::kw_only(), "stream"_a = nb::none());
+  m.def("sample_tokens", &mlxfast::sample_tokens, "logits"_a, "keys"_a, "temperature"_a,
+        "top_k"_a, "top_p"_a, "min_p_log"_a, nb::kw_only(), "stream"_a = nb::none());
   // quantized KV (python/mlxfast/ops_kvquant.py)
   m.def("kv_quant_encode", &mlxfast::kv_quant_encode, "k"_a, "v"_a, "signs"_a, "codebook"_a,
         nb::kw_only(), "head_dim"_a, "k_bits"_a, "v_bits"_a, "group_size"_a, "v_turbo"_a,

@@ -12,7 +12,10 @@ settings the rows have (rows that do not use a feature get its neutral value):
    by temperature, apply top-k, then top-p (on the top-k renormalised
    distribution), then min-p, and sample by Gumbel-max with noise from a
    per-row key derived from ``(seed, output index)`` only — so a seeded
-   request samples the same tokens alone or inside any batch.
+   request samples the same tokens alone or inside any batch. Step 4 is
+   ``ops.sample_tokens``: one native primitive on the CPU (no vocabulary
+   sort; noise only for tokens that can still win), the pure-MLX
+   ``sample_tokens_reference`` elsewhere.
 
 Logprobs are reported from the model's own distribution: the log-softmax of
 the raw logits, before penalties, bias, masks, temperature and truncation
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .. import ops
 from .api import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -71,12 +75,6 @@ def row_key(seed: int, step: int) -> tuple[int, int]:
     return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
 
 
-def _noise(keys: mx.array, V: int) -> mx.array:
-    """Gumbel noise [R, V], row r from keys[r] only."""
-    u = mx.vmap(lambda k: mx.random.uniform(shape=(V,), key=k))(keys)
-    return -mx.log(-mx.log(u))
-
-
 def _grammar_mask(states: list[SamplingState], V: int, errors: list[str | None]) -> np.ndarray | None:
     rows = [i for i, s in enumerate(states) if s.matcher is not None]
     if not rows:
@@ -115,15 +113,12 @@ def sample(logits: mx.array, states: list[SamplingState]) -> list[Sampled]:
     else:
         x = _process(x, states, ps, V, errors)
         temps = np.array([p.temperature for p in ps], np.float32)
-        greedy = temps <= 0
-        if greedy.all():
+        if (temps <= 0).all():
             tok = mx.argmax(x, axis=-1)
         else:
-            y = x / mx.array(np.where(greedy, 1.0, temps)[:, None])
-            y = _truncate(y, ps, V)
             keys = mx.array(np.array([row_key(s.seed, s.step) for s in states], np.uint32))
-            y = y + _noise(keys, V)
-            tok = mx.argmax(mx.where(mx.array(greedy[:, None]), x, y), axis=-1)
+            tok = ops.sample_tokens(x, keys, temps, [p.top_k for p in ps], [p.top_p for p in ps],
+                                    [p.min_p for p in ps])
 
     outs = [tok]
     k_top = min(MAX_TOP_LOGPROBS, max((p.top_logprobs for p in ps), default=0))
@@ -185,26 +180,3 @@ def _process(x: mx.array, states, ps, V: int, errors) -> mx.array:
     if allowed is not None:
         x = mx.where(mx.array(allowed), x, -mx.inf)
     return x
-
-
-def _truncate(y: mx.array, ps, V: int) -> mx.array:
-    """top-k, then top-p, then min-p, on temperature-scaled logits."""
-    R = len(ps)
-    ks = np.array([p.top_k if 0 < p.top_k < V else V for p in ps], np.int32)
-    tps = np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in ps], np.float32)
-    mps = np.array([p.min_p for p in ps], np.float32)
-    if (ks < V).any() or (tps < 1).any():
-        s = -mx.sort(-y, axis=-1)  # descending
-        thr = mx.take_along_axis(s, mx.array(ks - 1)[:, None], axis=-1)  # k-th largest
-        if (tps < 1).any():
-            s = mx.where(mx.arange(V)[None, :] < mx.array(ks)[:, None], s, -mx.inf)
-            probs = mx.softmax(s, axis=-1)
-            keep = (mx.cumsum(probs, axis=-1) - probs) < mx.array(tps)[:, None]
-            n_keep = mx.maximum(keep.sum(axis=-1, keepdims=True), 1)
-            thr = mx.maximum(thr, mx.take_along_axis(s, (n_keep - 1).astype(mx.int32), axis=-1))
-        y = mx.where(y >= thr, y, -mx.inf)
-    if (mps > 0).any():
-        logmin = np.where(mps > 0, np.log(np.maximum(mps, 1e-30)), -np.inf).astype(np.float32)
-        thr = y.max(axis=-1, keepdims=True) + mx.array(logmin)[:, None]
-        y = mx.where(y >= thr, y, -mx.inf)
-    return y
