@@ -242,13 +242,17 @@ uint32_t sample_row(const T* x, int64_t V, const RowParams& p, Scratch& sc) {
           break;
         }
       }
+      // Every candidate kept: if the cumulative sum is clearly past top_p,
+      // the next token in sorted order (outside the candidates) is cut.
+      if (!stopped && n < k && n > 0 && cum - 4e-7f >= p.top_p) stopped = true;
       if (stopped) {
         thr_p = y[cand[n_keep - 1]];
         break;
       }
       // The whole top-k set is inside the nucleus: nothing is cut.
       if (n == k || cut == kBuckets - 1) break;
-      cut = kBuckets - 1;  // the float cumsum fell short of the estimate: take all
+      // The float cumsum fell short of the estimate: widen the cut.
+      cut = std::min(kBuckets - 1, cut + 2 * kBucketsPerNat);
     }
     thr = std::max(thr, thr_p);
   }
