@@ -21,7 +21,9 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// MLX's threefry2x32 (mlx/backend/cpu/threefry.cpp; not exported by libmlx).
+// Threefry-2x32, 20 rounds (Salmon et al., SC'11; the Random123 / JAX
+// generator), reimplemented from the published algorithm: MLX's CPU random
+// bits use it and libmlx does not export a per-element entry point.
 inline void threefry2x32(uint32_t k0, uint32_t k1, uint32_t& c0, uint32_t& c1) {
   static constexpr uint32_t rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
   const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
