@@ -88,19 +88,10 @@ def stream_generate(
     logits = model(mx.array([chunk]), cache, logit_rows=mx.array([len(chunk) - 1]))
     cache.advance(len(chunk))
 
-    key, sub = mx.random.split(key)
-    token = sample_token(logits[0], temp, top_p, top_k, sub)
-    mx.async_eval(token)
     for n in range(max_tokens):
-        if n < max_tokens - 1:
-            # Build and queue step n+1 on the still-lazy token before waiting
-            # for it: graph building overlaps the running step (if token n
-            # ends the sequence, one step's work is discarded).
-            logits = model(token.reshape(1, 1), cache, logit_rows=mx.array([0]))
-            cache.advance(1)
-            key, sub = mx.random.split(key)
-            next_token = sample_token(logits[0], temp, top_p, top_k, sub)
-            mx.async_eval(next_token)
+        key, sub = mx.random.split(key)
+        token = sample_token(logits[0], temp, top_p, top_k, sub)
+        mx.async_eval(token)
         tok = token.item()
         if tok in eos:
             yield GenerationChunk(detok.flush(), tok, "stop")
@@ -108,8 +99,11 @@ def stream_generate(
         if n == max_tokens - 1:
             yield GenerationChunk(detok.add(tok) + detok.flush(), tok, "length")
             return
-        yield GenerationChunk(detok.add(tok), tok)
-        token = next_token
+        logits = model(token.reshape(1, 1), cache, logit_rows=mx.array([0]))
+        cache.advance(1)
+        mx.async_eval(logits)
+        text = detok.add(tok)
+        yield GenerationChunk(text, tok)
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:
