@@ -10,6 +10,8 @@ Every number is reported next to a reference measured in the same run:
   GEMM (prefill, M >= 16): GFLOP/s (2*M*N*K / time) vs numpy fp32 matmul of
       the same shape (x @ W.T with W already dequantized) and vs
       mx.quantized_matmul.
+  Dense (ops.dense_matmul, fp32/bf16 weights): GFLOP/s and weight GB/s vs
+      numpy's fp32 matmul of the same values and vs MLX's matmul.
 
 Run:  env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_qmm.py
       (options: --quick, --path avx512|avx2|portable)
@@ -154,6 +156,23 @@ def report(quick=False):
             print(f"{M:>5} {N:>6} {K:>5} {t * 1e3:>8.2f} {gf:>8.1f} {npf:>7.1f} "
                   f"{gf / npf:>5.0%} {tm / t:>6.1f}x")
 
+    print("\nDense weights (ops.dense_matmul; MLX's CPU matmul is its reference BLAS)")
+    print(f"{'M':>5} {'N':>6} {'K':>5} {'dtype':>9} {'ms':>8} {'GFLOP/s':>8} {'GB/s':>6} "
+          f"{'numpy':>7} {'vs np':>6} {'vs mx':>7}")
+    for M, N, K in ((1, 4096, 4096), (8, 4096, 4096), (512, 1536, 576)):
+        for dt in (mx.float32, mx.bfloat16):
+            w = (mx.random.normal((N, K)) * 0.05).astype(dt)
+            x = mx.random.normal((M, K))
+            mx.eval(w, x)
+            xn = np.array(x)
+            wn = np.array(w.astype(mx.float32))
+            t, tn = paired([lambda: mx.eval(ops.dense_matmul(x, w)), lambda: xn @ wn.T])
+            tm = timeit(lambda: mx.eval(ops.dense_matmul_reference(x, w)), rounds=1)
+            flops = 2 * M * N * K
+            print(f"{M:>5} {N:>6} {K:>5} {str(dt).split('.')[-1]:>9} {t * 1e3:>8.2f} "
+                  f"{flops / t / 1e9:>8.1f} {w.nbytes / t / 1e9:>6.1f} {flops / tn / 1e9:>7.1f} "
+                  f"{tn / t:>5.0%} {tm / t:>6.1f}x")
+
 
 # ------------------------------------------------------- pytest-benchmark --
 
@@ -174,6 +193,13 @@ def test_bench_gemv_head(benchmark):
 
 def test_bench_gemm_mlp(benchmark):
     _bench(benchmark, 512, 1536, 576)
+
+
+def test_bench_dense_gemv_bf16(benchmark):
+    w = (mx.random.normal((4096, 4096)) * 0.05).astype(mx.bfloat16)
+    x = mx.random.normal((1, 4096))
+    mx.eval(w, x)
+    benchmark(lambda: mx.eval(ops.dense_matmul(x, w)))
 
 
 if __name__ == "__main__":
