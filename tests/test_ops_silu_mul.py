@@ -4,11 +4,22 @@ import pytest
 from mlxfast import ops
 
 TOL = {mx.float32: 1e-6, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+# Capability, not skip-to-green: every path this CPU can execute, forced in turn.
+PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    ops.set_cpu_path(request.param)
+    try:
+        yield request.param
+    finally:
+        ops.set_cpu_path("")
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("shape", [(1,), (7, 13), (2, 3, 1536), (70000,)])
-def test_silu_mul_matches_reference(shape, dtype):
+def test_silu_mul_matches_reference(path, shape, dtype):
     mx.random.seed(0)
     g = (mx.random.normal(shape) * 4).astype(dtype)
     u = mx.random.normal(shape).astype(dtype)
@@ -48,7 +59,7 @@ def test_cpu_path_reported_and_forcible():
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("shape", [(2,), (7, 26), (2, 3, 3072)])
-def test_silu_mul_halves_matches_reference(shape, dtype):
+def test_silu_mul_halves_matches_reference(path, shape, dtype):
     x = (mx.random.normal(shape) * 4).astype(dtype)
     got = ops.silu_mul_halves(x)
     ref = ops.silu_mul_halves_reference(x.astype(mx.float32))
@@ -57,3 +68,17 @@ def test_silu_mul_halves_matches_reference(shape, dtype):
     assert err.max().item() <= TOL[dtype]
     with pytest.raises(ValueError, match="even"):
         ops.silu_mul_halves(mx.zeros((3, 5)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_silu_mul_extreme_inputs(path, dtype):
+    """Saturation on both sides (the vector exp clamps its argument), zeros
+    and odd lengths (vector tails) on every path."""
+    g = mx.array([-1e4, -200.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.0, 88.5, 200.0,
+                  1e4, 3.0, -3.0, 0.5, -0.5]).astype(dtype)
+    u = mx.linspace(-2, 2, g.size).astype(dtype)
+    got = ops.silu_mul(g, u).astype(mx.float32)
+    ref = ops.silu_mul_reference(g.astype(mx.float32), u.astype(mx.float32))
+    assert mx.all(mx.isfinite(got)).item()
+    err = mx.abs(got - ref) / (1 + mx.abs(ref))
+    assert err.max().item() <= TOL[dtype]

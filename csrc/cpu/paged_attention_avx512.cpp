@@ -6,7 +6,7 @@
 //   scores: S[key][row] = K . Q^T with Q transposed once per tile, so each
 //     vector holds 16 query rows of one key (4 keys x up to 3 row vectors
 //     in registers per pass over d). The causal mask, the block maximum and
-//     exp (vectorised, Cody-Waite + degree-6 polynomial + vscalefps) all run
+//     exp (vectorised: cpu/vec_exp.h) all run
 //     across rows in those vectors.
 //   values: acc[row][:] += P[key][row] * V[key][:], a few rows' accumulators
 //     in registers per pass over the block's keys.
@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "cpu/paged_attention.h"
+#include "cpu/vec_exp.h"
 
 namespace mlxfast {
 namespace pa {
@@ -43,23 +44,6 @@ inline __m512 load16(const char* p, DType dt) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   }
-}
-
-// e^x, inputs clamped to [-104, 88] (below: ~0, denormal or zero).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // S[i][c*16 ..] for keys i0 .. i0+3 (kb: their rows in fp32, [4][D]) and

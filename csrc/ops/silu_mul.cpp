@@ -1,34 +1,18 @@
 #include "ops/silu_mul.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
-#include <type_traits>
 
+#include "common/cpu_features.h"
 #include "common/dense_input.h"
 #include "common/thread_pool.h"
+#include "cpu/silu_mul.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 namespace mlxfast {
-
-namespace {
-
-// rows x m outputs; gate and up rows are `stride` elements apart (m for two
-// inputs, 2m when both halves live in one row).
-template <typename T>
-void silu_mul_impl(const T* g, const T* u, T* out, int64_t rows, int64_t m, int64_t stride) {
-  parallel_for(rows * m, 16384, [=](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      int64_t src = (i / m) * stride + i % m;
-      float x = static_cast<float>(g[src]);
-      float y = static_cast<float>(u[src]);
-      out[i] = static_cast<T>(x / (1.0f + std::exp(-x)) * y);
-    }
-  });
-}
-
-} // namespace
 
 mx::array silu_mul(const mx::array& gate, const mx::array& up,
                    mx::StreamOrDevice s) {
@@ -81,23 +65,29 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs,
   DenseInput gin = dense_input(inputs[0], enc);
   DenseInput uin = halves_ ? gin : dense_input(inputs[1], enc);
   const bool halves = halves_;
-  void* op = out.data<void>();
-  enc.dispatch([=]() {
+  act::Args args;
+  args.m = m;
+  args.stride = stride;
+  args.out = out.data<void>();
+  args.dtype = dt == mx::float32 ? 0 : (dt == mx::float16 ? 1 : 2);
+  const int64_t esize = dt == mx::float32 ? 4 : 2;
+  const CpuPath path = cpu_path();
+  enc.dispatch([=]() mutable {
     gin.pack();
     if (!halves) uin.pack();
-    auto run = [&](auto* typed_out) {
-      using T = std::remove_pointer_t<decltype(typed_out)>;
-      const T* g = static_cast<const T*>(gin.data);
-      const T* u = static_cast<const T*>(uin.data) + up_offset;
-      silu_mul_impl(g, u, typed_out, rows, m, stride);
-    };
-    if (dt == mx::float32) {
-      run(static_cast<float*>(op));
-    } else if (dt == mx::float16) {
-      run(static_cast<mx::float16_t*>(op));
-    } else {
-      run(static_cast<mx::bfloat16_t*>(op));
-    }
+    args.g = gin.data;
+    args.u = static_cast<const char*>(uin.data) + up_offset * esize;
+    // Rows in pieces of ~16K elements: one piece per pool thread when small.
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(m, 1));
+    parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+      switch (path) {
+#if defined(MLXFAST_X86)
+        case CpuPath::Avx512: act::silu_mul_rows_avx512(args, r0, r1); break;
+        case CpuPath::Avx2: act::silu_mul_rows_avx2(args, r0, r1); break;
+#endif
+        default: act::silu_mul_rows_portable(args, r0, r1); break;
+      }
+    });
   });
 }
 

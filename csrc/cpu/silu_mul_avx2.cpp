@@ -1,0 +1,64 @@
+// silu(g) * u with AVX2/FMA/F16C and the vector exp (see silu_mul.h).
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "common/half.h"
+#include "cpu/silu_mul.h"
+#include "cpu/vec_exp.h"
+
+namespace mlxfast {
+namespace act {
+
+namespace {
+
+inline __m256 load8(const void* p, int dt, int64_t i) {
+  if (dt == 0) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if (dt == 1) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float load1(const void* p, int dt, int64_t i) {
+  if (dt == 0) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return dt == 1 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+inline void store1(void* p, int dt, int64_t i, float v) {
+  if (dt == 0) {
+    static_cast<float*>(p)[i] = v;
+  } else {
+    static_cast<uint16_t*>(p)[i] = dt == 1 ? f32_to_f16(v) : f32_to_bf16(v);
+  }
+}
+
+}  // namespace
+
+void silu_mul_rows_avx2(const Args& a, int64_t r0, int64_t r1) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  alignas(32) float t[8];
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t j = 0;
+    for (; j + 8 <= a.m; j += 8) {
+      const __m256 x = load8(a.g, a.dtype, r * a.stride + j);
+      const __m256 y = load8(a.u, a.dtype, r * a.stride + j);
+      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      const __m256 v = _mm256_mul_ps(s, y);
+      if (a.dtype == 0) {
+        _mm256_storeu_ps(static_cast<float*>(a.out) + r * a.m + j, v);
+      } else {
+        _mm256_store_ps(t, v);
+        for (int i = 0; i < 8; ++i) store1(a.out, a.dtype, r * a.m + j + i, t[i]);
+      }
+    }
+    for (; j < a.m; ++j) {
+      const float x = load1(a.g, a.dtype, r * a.stride + j);
+      const float y = load1(a.u, a.dtype, r * a.stride + j);
+      store1(a.out, a.dtype, r * a.m + j, x / (1.0f + std::exp(-x)) * y);
+    }
+  }
+}
+
+}  // namespace act
+}  // namespace mlxfast
