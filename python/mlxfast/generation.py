@@ -92,6 +92,12 @@ def stream_generate(
         key, sub = mx.random.split(key)
         token = sample_token(logits[0], temp, top_p, top_k, sub)
         mx.async_eval(token)
+        if n < max_tokens - 1:
+            # Build step n+1's graph while step n runs, but queue it only
+            # once token n is known: queued earlier, its KV writes would see
+            # the pools still referenced by step n and copy them.
+            logits = model(token.reshape(1, 1), cache, logit_rows=mx.array([0]))
+            cache.advance(1)
         tok = token.item()
         if tok in eos:
             yield GenerationChunk(detok.flush(), tok, "stop")
@@ -99,8 +105,6 @@ def stream_generate(
         if n == max_tokens - 1:
             yield GenerationChunk(detok.add(tok) + detok.flush(), tok, "length")
             return
-        logits = model(token.reshape(1, 1), cache, logit_rows=mx.array([0]))
-        cache.advance(1)
         mx.async_eval(logits)
         text = detok.add(tok)
         yield GenerationChunk(text, tok)
