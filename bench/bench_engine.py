@@ -1,7 +1,7 @@
 """Engine benchmark: aggregate decode throughput vs concurrency, and TTFT of a
 long prompt cold vs prefix-cached, from one run on one engine.
 
-    .venv/bin/python bench/bench_engine.py [--model PATH] [--tokens 32]
+    .venv/bin/python bench/bench_engine.py [--model PATH] [--tokens 128]
         [--prompt-tokens 2000] [--concurrency 1,4,8,16] [--block-sizes]
 
 Targets: 8 streams >= 4x the single-stream aggregate; a cached-prefix first
@@ -91,7 +91,7 @@ def bench_block_sizes(args_model):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)  # 32 was too few for a stable rate
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--block-size", type=int, default=16)
