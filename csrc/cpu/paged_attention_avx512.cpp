@@ -13,6 +13,7 @@
 // Same online softmax per block as the generic kernel, float32 throughout.
 #include <immintrin.h>
 
+#include "common/scratch.h"
 #include "cpu/paged_attention.h"
 #include "cpu/vec_exp.h"
 
@@ -21,20 +22,7 @@ namespace pa {
 
 namespace {
 
-struct Buf {  // per-thread scratch that only grows
-  float* p = nullptr;
-  size_t cap = 0;
-  float* get(size_t n) {
-    if (n > cap) {
-      std::free(p);
-      size_t bytes = ((n * sizeof(float)) + 63) & ~static_cast<size_t>(63);
-      p = static_cast<float*>(std::aligned_alloc(64, bytes));
-      cap = bytes / sizeof(float);
-    }
-    return p;
-  }
-};
-thread_local Buf tl_buf;
+thread_local Scratch tl_buf;  // per-thread tile buffers
 
 inline __m512 load16(const char* p, DType dt) {
   switch (dt) {

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "common/half.h"
+#include "common/scratch.h"
 
 namespace mlxfast {
 namespace qmm {
@@ -128,30 +129,6 @@ inline void dense_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float
     for (int64_t j = ncols; j < NR; ++j) dst[j] = 0.0f;
   }
 }
-
-// Per-thread scratch that only grows (pool threads live for the process).
-struct Scratch {
-  float* p = nullptr;
-  size_t cap = 0;
-  float* get(size_t n) {
-    if (n > cap) {
-      std::free(p);
-      size_t bytes = ((n * sizeof(float)) + 63) & ~static_cast<size_t>(63);
-      p = static_cast<float*>(std::aligned_alloc(64, bytes));
-      cap = bytes / sizeof(float);
-    }
-    return p;
-  }
-  // Drop a buffer above max_floats (a one-off long prefill should not pin
-  // its packed activations for the life of the process).
-  void trim(size_t max_floats) {
-    if (cap > max_floats) {
-      std::free(p);
-      p = nullptr;
-      cap = 0;
-    }
-  }
-};
 
 constexpr size_t kKeepScratchFloats = size_t(16) << 20;  // 64 MiB
 
