@@ -108,6 +108,28 @@ inline void scal(float* y, float a, int n) {
 
 inline size_t elem_size(DType d) { return d == F32 ? 4 : 2; }
 
+// out[t0 + r / G][kh * G + r % G] = acc[r] / l[r] for the tile's rows r
+// (a row that saw no key gets zeros), in the output dtype.
+inline void write_rows(const Args& a, int64_t t0, int kh, int rows, const float* acc,
+                       const float* l) {
+  const int G = a.Hq / a.Hkv, Dv = a.Dv;
+  for (int r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float* ag = acc + static_cast<size_t>(r) * Dv;
+    const int64_t o = ((t0 + r / G) * a.Hq + kh * G + r % G) * Dv;
+    if (a.q_dtype == F32) {
+      float* op = static_cast<float*>(a.out) + o;
+      for (int d = 0; d < Dv; ++d) op[d] = ag[d] * inv;
+    } else if (a.q_dtype == F16) {
+      uint16_t* op = static_cast<uint16_t*>(a.out) + o;
+      for (int d = 0; d < Dv; ++d) op[d] = f2h(ag[d] * inv);
+    } else {
+      uint16_t* op = static_cast<uint16_t*>(a.out) + o;
+      for (int d = 0; d < Dv; ++d) op[d] = f2b(ag[d] * inv);
+    }
+  }
+}
+
 // Query tile: consecutive tokens of one sequence processed together, so
 // each K/V row is read once per tile instead of once per token.
 constexpr int kTile = 16;
@@ -240,23 +262,7 @@ struct Kernel {
           }
         }
       }
-      for (int j = 0; j < nq; ++j)
-        for (int g = 0; g < G; ++g) {
-          const int r = j * G + g, h = kh * G + g;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-          const float* ag = acc + static_cast<size_t>(r) * Dv;
-          const int64_t o = ((t0 + j) * a.Hq + h) * Dv;
-          if (a.q_dtype == F32) {
-            float* op = static_cast<float*>(a.out) + o;
-            for (int d = 0; d < Dv; ++d) op[d] = ag[d] * inv;
-          } else if (a.q_dtype == F16) {
-            uint16_t* op = static_cast<uint16_t*>(a.out) + o;
-            for (int d = 0; d < Dv; ++d) op[d] = f2h(ag[d] * inv);
-          } else {
-            uint16_t* op = static_cast<uint16_t*>(a.out) + o;
-            for (int d = 0; d < Dv; ++d) op[d] = f2b(ag[d] * inv);
-          }
-        }
+      write_rows(a, t0, kh, rows, acc, l);
     }
     std::free(scratch);
   }

@@ -233,21 +233,7 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const int j = r / G, h = kh * G + r % G;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    const int64_t o = ((t0 + j) * a.Hq + h) * D;
-    for (int d = 0; d < D; ++d) {
-      const float v = acc[r * D + d] * inv;
-      if (a.q_dtype == F32) {
-        static_cast<float*>(a.out)[o + d] = v;
-      } else if (a.q_dtype == F16) {
-        static_cast<uint16_t*>(a.out)[o + d] = f2h(v);
-      } else {
-        static_cast<uint16_t*>(a.out)[o + d] = f2b(v);
-      }
-    }
-  }
+  write_rows(a, t0, kh, R, acc, l);
 }
 
 template <int D>
@@ -352,22 +338,7 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const int j = r / G, h = kh * G + r % G;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    const float* ag = acc + static_cast<size_t>(r) * DV;
-    const int64_t o = ((t0 + j) * a.Hq + h) * DV;
-    for (int d = 0; d < DV; ++d) {
-      const float v = ag[d] * inv;
-      if (a.q_dtype == F32) {
-        static_cast<float*>(a.out)[o + d] = v;
-      } else if (a.q_dtype == F16) {
-        static_cast<uint16_t*>(a.out)[o + d] = f2h(v);
-      } else {
-        static_cast<uint16_t*>(a.out)[o + d] = f2b(v);
-      }
-    }
-  }
+  write_rows(a, t0, kh, R, acc, l);
 }
 
 bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
