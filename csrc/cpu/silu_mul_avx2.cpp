@@ -3,7 +3,6 @@
 
 #include <cmath>
 
-#include "common/half.h"
 #include "cpu/silu_mul.h"
 #include "cpu/vec_exp.h"
 
@@ -17,20 +16,6 @@ inline __m256 load8(const void* p, int dt, int64_t i) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
   if (dt == 1) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float load1(const void* p, int dt, int64_t i) {
-  if (dt == 0) return static_cast<const float*>(p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return dt == 1 ? f16_to_f32(h) : bf16_to_f32(h);
-}
-
-inline void store1(void* p, int dt, int64_t i, float v) {
-  if (dt == 0) {
-    static_cast<float*>(p)[i] = v;
-  } else {
-    static_cast<uint16_t*>(p)[i] = dt == 1 ? f32_to_f16(v) : f32_to_bf16(v);
-  }
 }
 
 }  // namespace
