@@ -3,10 +3,12 @@
 // GEMV (M <= kGemvMaxRows): each thread streams its share of weight rows
 // once. Activations are pre-permuted so that a 4-bit chunk of 32 values
 // unpacks with one zero-extend + shift into "even" and "odd" lanes; the
-// nibble -> float conversion is a 16-entry vpermps lookup. Per group:
-//   y += scale * dot(q, x_g)   and once per row   y += dot(bias, sum(x_g)).
-// Up to 8 activation rows share each unpacked weight chunk; 1-4 weight rows
-// are processed together for independent FMA chains.
+// nibble -> float conversion is a 16-entry vpermps lookup whose table is the
+// group's dequantized values (scale * i + bias); 8-bit values are converted
+// and dequantized with one FMA. So every path computes y = dot(w, x) with w
+// dequantized first: one formula whatever the number of rows, and no
+// per-group rescaling. Up to 8 activation rows share each dequantized weight
+// chunk; 1-4 weight rows are processed together for independent FMA chains.
 //
 // GEMM (M > kGemvMaxRows): activations packed once to fp32 panels of 12 rows
 // ([K][12]); each thread dequantizes a 32-column weight panel ([K][32] fp32,
@@ -107,27 +109,25 @@ constexpr int kGemvMaxMM = 8;      // activation rows per register block
 struct GemvCtx {
   const Args* a;
   const float* xp;  // [M][K] fp32, permuted per 32-chunk for 4 bits
-  const float* xs;  // [M][G] group sums of x
   int64_t G, row_bytes;
 };
 
-// y[m0 + m][n + r] for r < R, m < MM, written to yb[m * 16 + r].
-// BITS 4: the 16-entry lookup table is the group's dequantized values
-// (scale * i + bias), so vpermps yields the weight itself: no per-group
-// rescaling and no separate bias term; lo and hi halves accumulate
-// separately for 2*R*MM FMA chains.
-// BITS 8: per-group partial dot products, rescaled once per group; the bias
-// part is bias[g] * sum(x_g), a scalar per group.
+// y[m0 + m][n + r] for r < R, m < MM, written to yb[m * 16 + r]: weights
+// dequantized 32 at a time (BITS 4: through the group's lookup table; BITS
+// 8: converted, then scale * q + bias), then FMAs with every activation row;
+// lo and hi halves accumulate separately for 2*R*MM FMA chains. (The 8-bit
+// form costs one FMA per 16 weights more than rescaling per-group dot
+// products at one row, and saves MM FMAs plus MM scalar bias terms per group
+// at MM rows: the 8-row head ran ~20% faster.)
 template <int BITS, int MM, int R>
 inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
                       const float* bi, float* yb) {
   const Args& a = *c.a;
   const int64_t K = a.K, G = c.G, gs = a.group_size;
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(a.w) + n * c.row_bytes;
-  const float* xp = c.xp + m0 * K;
+  const float* xp = c.xp + m0 * K;  // [K / 32][MM][32]: see gemv()
   const __m512 lut = lut16();
   __m512 acc[R][MM], acc2[R][MM];
-  float bsum[R][MM] = {};
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MM; ++m) acc[r][m] = acc2[r][m] = _mm512_setzero_ps();
   if constexpr (BITS == 4) {
@@ -146,40 +146,33 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
               reinterpret_cast<const __m128i*>(w0 + r * c.row_bytes + (k0 >> 1))));
           __m512 lo = _mm512_permutexvar_ps(q, ls[r]);
           __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), ls[r]);
+          const float* xc = xp + k0 * MM;
           for (int m = 0; m < MM; ++m) {
-            acc[r][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + m * K + k0), acc[r][m]);
-            acc2[r][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + m * K + k0 + 16), acc2[r][m]);
+            acc[r][m] = _mm512_fmadd_ps(lo, _mm512_load_ps(xc + m * 32), acc[r][m]);
+            acc2[r][m] = _mm512_fmadd_ps(hi, _mm512_load_ps(xc + m * 32 + 16), acc2[r][m]);
           }
         }
       }
     }
   } else {
-    const float* xs = c.xs + m0 * G;
     for (int64_t g = 0; g < G; ++g) {
-      __m512 ga[R][MM];
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MM; ++m) ga[r][m] = _mm512_setzero_ps();
+      __m512 s[R], b[R];
+      for (int r = 0; r < R; ++r) {
+        s[r] = _mm512_set1_ps(sc[r * G + g]);
+        b[r] = _mm512_set1_ps(bi[r * G + g]);
+      }
       for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
         for (int r = 0; r < R; ++r) {
           _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes + k0),
                        _MM_HINT_T0);
           __m512 lo, hi;
           unpack32<BITS>(w0 + r * c.row_bytes, k0, lut, lo, hi);
+          lo = _mm512_fmadd_ps(lo, s[r], b[r]);
+          hi = _mm512_fmadd_ps(hi, s[r], b[r]);
+          const float* xc = xp + k0 * MM;
           for (int m = 0; m < MM; ++m) {
-            ga[r][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + m * K + k0), ga[r][m]);
-            ga[r][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + m * K + k0 + 16), ga[r][m]);
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        __m512 s = _mm512_set1_ps(sc[r * G + g]);
-        for (int m = 0; m < MM; ++m) {
-          bsum[r][m] += bi[r * G + g] * xs[m * G + g];
-          // alternate accumulators: two FMA chains per output
-          if (g & 1) {
-            acc2[r][m] = _mm512_fmadd_ps(ga[r][m], s, acc2[r][m]);
-          } else {
-            acc[r][m] = _mm512_fmadd_ps(ga[r][m], s, acc[r][m]);
+            acc[r][m] = _mm512_fmadd_ps(lo, _mm512_load_ps(xc + m * 32), acc[r][m]);
+            acc2[r][m] = _mm512_fmadd_ps(hi, _mm512_load_ps(xc + m * 32 + 16), acc2[r][m]);
           }
         }
       }
@@ -187,8 +180,7 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
   }
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < MM; ++m) {
-      yb[m * kGemvRowBlock + r] =
-          _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc2[r][m])) + bsum[r][m];
+      yb[m * kGemvRowBlock + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc2[r][m]));
     }
   }
 }
@@ -262,31 +254,39 @@ void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
 void gemv(const Args& a) {
   const bool dense = a.bits == 0;
   const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
-  // Prepare activations: fp32, permuted for 4 bits, plus per-group sums.
-  float* xp = tl_x.get(static_cast<size_t>(M * K + M * G));
-  float* xs = xp + M * K;
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
-                                         24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = xp + m * K;
-    cvt_row(a.x, a.x_dtype, m * K, K, row);
-    for (int64_t g = 0; a.bits == 8 && g < G; ++g) {  // 4 bits: bias is in the LUT
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += 16) {
-        s = _mm512_add_ps(s, _mm512_loadu_ps(row + k));
-      }
-      xs[m * G + g] = _mm512_reduce_add_ps(s);
-    }
-    if (a.bits == 4) {
-      for (int64_t k = 0; k < K; k += 32) {
-        __m512 v0 = _mm512_loadu_ps(row + k), v1 = _mm512_loadu_ps(row + k + 16);
-        _mm512_storeu_ps(row + k, _mm512_permutex2var_ps(v0, even, v1));
-        _mm512_storeu_ps(row + k + 16, _mm512_permutex2var_ps(v0, odd, v1));
+  // Prepare activations as fp32. Dense weights read rows [M][K]. Quantized
+  // weights read blocks of up to 8 rows interleaved per 32-value chunk,
+  // [K / 32][mm][32] (4 bits: each chunk permuted to even then odd values),
+  // so that the tile addresses every activation vector of a chunk as one
+  // pointer plus a constant: indexed (base + index) memory operands of the
+  // FMAs are split into two uops on Intel cores, which cost ~25% at 8 rows.
+  float* xp = tl_x.get(static_cast<size_t>(M * K + (dense ? 0 : K)));
+  if (dense) {
+    for (int64_t m = 0; m < M; ++m) cvt_row(a.x, a.x_dtype, m * K, K, xp + m * K);
+  } else {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                           24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    float* row = xp + M * K;
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+      const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
+      for (int64_t m = 0; m < mm; ++m) {
+        cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, row);
+        float* dst = xp + m0 * K + m * 32;
+        for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
+          __m512 v0 = _mm512_loadu_ps(row + k), v1 = _mm512_loadu_ps(row + k + 16);
+          if (a.bits == 4) {
+            const __m512 e = _mm512_permutex2var_ps(v0, even, v1);
+            v1 = _mm512_permutex2var_ps(v0, odd, v1);
+            v0 = e;
+          }
+          _mm512_store_ps(dst, v0);
+          _mm512_store_ps(dst + 16, v1);
+        }
       }
     }
   }
-  GemvCtx c{&a, xp, xs, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
+  GemvCtx c{&a, xp, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
   const int64_t units = ceil_div(a.N, kGemvRowBlock);
   auto body = [&c, &a, G, M, dense](int64_t u0, int64_t u1) {
     float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
