@@ -213,3 +213,39 @@ def test_native_prefill_chunks_every_path(path, dtype, Hq, Hkv, D):
                                    atol=TOL[dtype], rtol=TOL[dtype])
     finally:
         ops.set_cpu_path("")
+
+
+@native
+@pytest.mark.parametrize("path", [p for p in ("portable", "avx2", "avx512") if ops.cpu_supports(p)])
+@pytest.mark.parametrize("bs", [1, 8, 16, 64, 512])
+@pytest.mark.parametrize("D", [64, 128])
+def test_native_long_decode_every_block_size(path, bs, D):
+    """Decode rows over long contexts: the AVX-512 decode kernel runs its
+    online softmax per span of several blocks (256 keys), so contexts of
+    several spans, a partial last span and a partial last block, and a
+    few-token chunk (3 query tokens x 3 heads < 16 rows) all go through it."""
+    ops.set_cpu_path(path)
+    try:
+        Hq, Hkv, dtype = 9, 3, mx.float32
+        rng = random.Random(bs + D)
+        mx.random.seed(bs)
+        lengths = [700, 257, 600]  # last sequence: a 3-token chunk at its end
+        nblocks = [-(-n // bs) for n in lengths]
+        perm = list(range(sum(nblocks) + 4))
+        rng.shuffle(perm)
+        seqs, used = [], 0
+        for n, nb in zip(lengths, nblocks):
+            q_len = 3 if n == 600 else 1
+            seqs.append(SeqSlice(perm[used:used + nb], n - q_len, q_len))
+            used += nb
+        slots = len(perm) * bs
+        kp = mx.random.normal((slots, Hkv, D)).astype(dtype)
+        vp = mx.random.normal((slots, Hkv, D)).astype(dtype)
+        q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
+        tables, seq_idx, positions = flat_meta(seqs)
+        args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
+        got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
+        ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
+        np.testing.assert_allclose(np.array(got), np.array(ref), atol=TOL[dtype], rtol=TOL[dtype])
+    finally:
+        ops.set_cpu_path("")

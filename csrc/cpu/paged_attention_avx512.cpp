@@ -118,26 +118,73 @@ inline __m512 reduce16x16(__m512 v[16]) {
                        _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// One block's keys inside a decode span: their first slot, how many, and
+// where their scores sit in the span's score rows.
+struct SpanSeg {
+  int64_t slot0;
+  int nk, off;
+};
+
+// acc rows r0 .. r0+RG-1 = alpha * acc + P^T V over the keys of every segment
+// of a span (P[row r][key] at S[r * sr + seg.off + i]); the rows' outputs
+// stay in registers across the span's blocks.
+template <int DV, int RG>
+inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSeg* segs,
+                    int nseg, const float* S, int64_t sr, int r0, int rg, const float* alpha,
+                    float* acc) {
+  if constexpr (RG > 1) {
+    if (rg < RG) return pv_span<DV, RG - 1>(a, vbase, vrow, segs, nseg, S, sr, r0, rg, alpha, acc);
+  }
+  constexpr int NV = DV / 16;
+  __m512 o[RG][NV];
+  for (int r = 0; r < RG; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
+    for (int v = 0; v < NV; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_load_ps(acc + (r0 + r) * DV + v * 16));
+  }
+  const int es = a.kv_dtype == F32 ? 4 : 2;
+  for (int sg = 0; sg < nseg; ++sg) {
+    const SpanSeg& seg = segs[sg];
+    for (int i = 0; i < seg.nk; ++i) {
+      const char* vp = vbase + (seg.slot0 + i) * vrow;
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, a.kv_dtype);
+      for (int r = 0; r < RG; ++r) {
+        const __m512 p = _mm512_set1_ps(S[(r0 + r) * sr + seg.off + i]);
+        for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(p, vv[v], o[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + r) * DV + v * 16, o[r][v]);
+}
+
 // Tiles of fewer than 16 query rows (decode: one token x the kv head's
 // query heads): scores for 16 keys at a time per row (16 dot products
-// reduced together), softmax over the block across keys, then P.V with
-// the rows' outputs in registers.
+// reduced together), then softmax and P.V with the rows' outputs in
+// registers. Online softmax runs per span of kDecodeSpan keys, not per
+// block: at the engine's 16-token blocks a per-block pass spent as much on
+// the max/exp/sum reductions and the accumulator rescale as on the keys.
+constexpr int kDecodeSpan = 256;
+
 template <int D>
 void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
   constexpr int NV = D / 16;
   constexpr int RG = D == 64 ? 6 : 3;
   const int G = a.Hq / a.Hkv, bs = a.bs;
   const int nq = static_cast<int>(t1 - t0), R = nq * G;  // R < 16
-  const int bsp = (bs + 15) / 16 * 16;
+  const int span_blocks = bs >= kDecodeSpan ? 1 : kDecodeSpan / bs;
+  const int64_t spanp = (static_cast<int64_t>(span_blocks) * bs + 31) / 16 * 16;  // + 16 slack
   const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = a.kv_dtype == F32 ? 4 : 2;
-  // scratch: q [R][D], St [R][bsp], acc [R][D], m, l, alpha [16], kb [16][D]
-  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * bsp + R * D + 48 + 16 * D));
+  // scratch: q [R][D], St [R][spanp], acc [R][D], m, l, alpha [16], kb [16][D], segs
+  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * spanp + R * D + 48 + 16 * D) +
+                         sizeof(SpanSeg) * span_blocks / sizeof(float) + 16);
   float* St = qf + R * D;
-  float* acc = St + static_cast<size_t>(R) * bsp;
+  float* acc = St + static_cast<size_t>(R) * spanp;
   float* m = acc + static_cast<size_t>(R) * D;
   float* l = m + 16;
   float* alpha = l + 16;
   float* kb = alpha + 16;
+  SpanSeg* segs = reinterpret_cast<SpanSeg*>(kb + 16 * D);
   int64_t qpos[16];
   const int32_t s = a.seq_idx[t0];
   const bool valid = s >= 0 && s < a.S;
@@ -168,60 +215,74 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
     const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * D * kes;
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t b = 0; b < nblk; ++b) {
-      const int64_t blk = table[b];
-      if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
-      if (b + 1 < nblk) {
-        const int64_t nxt = table[b + 1];
-        if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
-          prefetch_rows(kbase, nxt * bs * krow, bs, krow, D * static_cast<int>(kes));
-          prefetch_rows(vbase, nxt * bs * vrow, bs, vrow, D * static_cast<int>(kes));
-        }
-      }
-      const int64_t key0 = b * bs;
-      const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
-      for (int i0 = 0; i0 < nk; i0 += 16) {
-        const int nv = nk - i0 < 16 ? nk - i0 : 16;
-        for (int k = 0; k < 16; ++k) {
-          for (int v = 0; v < NV; ++v) {
-            _mm512_store_ps(kb + k * D + v * 16,
-                            k < nv ? load16(kbase + (blk * bs + i0 + k) * krow + v * 16 * kes,
-                                            a.kv_dtype)
-                                   : _mm512_setzero_ps());
+    for (int64_t b0 = 0; b0 < nblk; b0 += span_blocks) {
+      const int64_t b1 = b0 + span_blocks < nblk ? b0 + span_blocks : nblk;
+      int nseg = 0, n = 0;  // n: scores in the span so far
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t blk = table[b];
+        if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
+        if (b + 1 < nblk) {
+          const int64_t nxt = table[b + 1];
+          if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
+            prefetch_rows(kbase, nxt * bs * krow, bs, krow, D * static_cast<int>(kes));
+            prefetch_rows(vbase, nxt * bs * vrow, bs, vrow, D * static_cast<int>(kes));
           }
         }
-        const __m512i kidx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + i0)));
-        const __mmask16 in_block = nv >= 16 ? static_cast<__mmask16>(0xffff)
-                                            : static_cast<__mmask16>((1u << nv) - 1u);
-        for (int r = 0; r < R; ++r) {
-          __m512 part[16];
+        const int64_t key0 = b * bs;
+        const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
+        segs[nseg++] = SpanSeg{blk * bs, nk, n};
+        for (int i0 = 0; i0 < nk; i0 += 16) {
+          const int nv = nk - i0 < 16 ? nk - i0 : 16;
           for (int k = 0; k < 16; ++k) {
-            __m512 p = _mm512_mul_ps(_mm512_load_ps(qf + r * D), _mm512_load_ps(kb + k * D));
-            for (int v = 1; v < NV; ++v) {
-              p = _mm512_fmadd_ps(_mm512_load_ps(qf + r * D + v * 16),
-                                  _mm512_load_ps(kb + k * D + v * 16), p);
+            for (int v = 0; v < NV; ++v) {
+              _mm512_store_ps(kb + k * D + v * 16,
+                              k < nv ? load16(kbase + (blk * bs + i0 + k) * krow + v * 16 * kes,
+                                              a.kv_dtype)
+                                     : _mm512_setzero_ps());
             }
-            part[k] = p;
           }
-          const __mmask16 ok = _mm512_mask_cmple_epi32_mask(
-              in_block, kidx, _mm512_set1_epi32(static_cast<int>(qpos[r / G])));
-          _mm512_store_ps(St + r * bsp + i0, _mm512_mask_mov_ps(ninf, ok, reduce16x16(part)));
+          const __m512i kidx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + i0)));
+          const __mmask16 in_block = nv >= 16 ? static_cast<__mmask16>(0xffff)
+                                              : static_cast<__mmask16>((1u << nv) - 1u);
+          for (int r = 0; r < R; ++r) {
+            __m512 part[16];
+            for (int k = 0; k < 16; ++k) {
+              __m512 p = _mm512_mul_ps(_mm512_load_ps(qf + r * D), _mm512_load_ps(kb + k * D));
+              for (int v = 1; v < NV; ++v) {
+                p = _mm512_fmadd_ps(_mm512_load_ps(qf + r * D + v * 16),
+                                    _mm512_load_ps(kb + k * D + v * 16), p);
+              }
+              part[k] = p;
+            }
+            const __mmask16 ok = _mm512_mask_cmple_epi32_mask(
+                in_block, kidx, _mm512_set1_epi32(static_cast<int>(qpos[r / G])));
+            // Lanes past the block's keys are overwritten by the next block's.
+            _mm512_storeu_ps(St + r * spanp + n + i0, _mm512_mask_mov_ps(ninf, ok, reduce16x16(part)));
+          }
         }
+        n += nk;
       }
+      if (n == 0) continue;
+      const __mmask16 tail = (n & 15) ? static_cast<__mmask16>((1u << (n & 15)) - 1u)
+                                      : static_cast<__mmask16>(0xffff);
       for (int r = 0; r < R; ++r) {
-        float* sr = St + r * bsp;
+        float* sr = St + r * spanp;
         __m512 mv = ninf;
-        for (int i0 = 0; i0 < nk; i0 += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sr + i0));
+        for (int i0 = 0; i0 < n; i0 += 16) {
+          const __mmask16 mk = n - i0 >= 16 ? static_cast<__mmask16>(0xffff) : tail;
+          mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(ninf, mk, sr + i0));
+        }
         const float mb = _mm512_reduce_max_ps(mv);
         const float mn = m[r] > mb ? m[r] : mb;
         const float mu = mn == -INFINITY ? 0.f : mn;
         alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mu);
         __m512 sum = _mm512_setzero_ps();
-        for (int i0 = 0; i0 < nk; i0 += 16) {
-          const __m512 x = _mm512_load_ps(sr + i0);
+        for (int i0 = 0; i0 < n; i0 += 16) {
+          const __mmask16 mk = n - i0 >= 16 ? static_cast<__mmask16>(0xffff) : tail;
+          const __m512 x = _mm512_mask_loadu_ps(ninf, mk, sr + i0);
           const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
                                                exp16(_mm512_sub_ps(x, _mm512_set1_ps(mu))));
-          _mm512_store_ps(sr + i0, e);
+          _mm512_mask_storeu_ps(sr + i0, mk, e);
           sum = _mm512_add_ps(sum, e);
         }
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
@@ -229,7 +290,7 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
       }
       for (int r0 = 0; r0 < R; r0 += RG) {
         const int rg = R - r0 < RG ? R - r0 : RG;
-        pv_tail<D, RG>(a, vbase, vrow, blk * bs, nk, St, 1, bsp, r0, rg, alpha, acc);
+        pv_span<D, RG>(a, vbase, vrow, segs, nseg, St, spanp, r0, rg, alpha, acc);
       }
     }
   }
