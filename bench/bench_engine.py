@@ -96,12 +96,13 @@ def main():
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-sizes", action="store_true")
+    ap.add_argument("--kv-dtype", default=None, help="float32 | float16 | bfloat16 (default: the model's)")
     args = ap.parse_args()
 
     model, tok = mlxfast.load(args.model)
     levels = [int(c) for c in args.concurrency.split(",")]
     engine = Engine(model, tok, EngineConfig(max_num_seqs=max(levels), kv_cache_gb=1.0,
-                                             block_size=args.block_size)).start()
+                                             block_size=args.block_size, kv_dtype=args.kv_dtype)).start()
     rng = random.Random(0)
     vocab = model.args.vocab_size
     try:
