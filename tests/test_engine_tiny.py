@@ -240,3 +240,21 @@ def test_thousand_random_requests_no_leaks(model):
     assert all(r == 0 for r in eng.allocator.refcount)
     eng.allocator.check()
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+
+
+def test_kv_cache_dtype_flag(model):
+    """``--kv-cache-dtype`` (vLLM's name) sets the dense pool's dtype; auto keeps the model's."""
+    from mlxfast.serve import _engine_config, build_parser
+
+    assert _engine_config(build_parser().parse_args([])).kv_dtype is None
+    cfg = _engine_config(build_parser().parse_args(["--kv-cache-dtype", "float16"]))
+    assert cfg.kv_dtype == "float16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-cache-dtype", "int3"])
+    eng = engine(model, kv_dtype=cfg.kv_dtype)
+    try:
+        assert {a.dtype for a in eng.pool.arrays()} == {mx.float16}
+        toks, _, fin = run_requests(eng, [Request([5, 6, 7], greedy(6, ignore_eos=True))])[0]
+        assert len(toks) == 6 and fin.finish_reason == "length"
+    finally:
+        eng.shutdown()

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences decoded together (EngineConfig.max_num_seqs)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="dtype of dense KV blocks (auto = the model's activation dtype)")
     p.add_argument("--kv-quant", default=None, help="KV cache scheme: off | 8 | 4 | turbo | turbo:k8v3 (EngineConfig.kv_quant)")
     p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens when a request omits it")
     p.add_argument("--temp", type=float, default=None, help="default temperature when a request omits it")
@@ -83,6 +85,7 @@ def _engine_config(args):
 
     wanted = {"max_num_seqs": args.max_batch, "kv_cache_gb": args.kv_cache_gb,
               "max_model_len": args.max_model_len, "kv_quant": args.kv_quant,
+              "kv_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
               "ssd_cache_dir": args.ssd_cache, "ssd_cache_max_gb": args.ssd_cache_max,
               "ssd_demote_idle_s": args.ssd_demote_idle, "ssd_cache_verify": args.ssd_cache_verify,
               "ssd_flush_timeout_s": args.ssd_flush_timeout}
