@@ -75,17 +75,17 @@ constexpr int kGemvMaxMM = 4;
 
 struct GemvCtx {
   const Args* a;
-  const float* xp;
-  const float* xs;
+  const float* xp;  // dense: [M][K]; quantized: blocks of <= 4 rows, [K / 32][mm][32]
   int64_t G, row_bytes;
 };
 
-// Writes the scale * q . x part of y[m0 + m][n + r] to yb[m * 16 + r]; the
-// bias part is added per 16-row block in gemv_finish. Per-group partial dot
-// products are rescaled into two alternating accumulators (2*R*MM chains).
+// y[m0 + m][n + r] for r < R, m < MM, written to yb[m * 16 + r]: weights
+// dequantized 32 at a time (scale * q + bias, one FMA per vector), then FMAs
+// with every activation row; the same formula at any number of rows, as in
+// qmm_avx512.cpp. Two accumulators per output halve the FMA chains.
 template <int BITS, int MM, int R>
 inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
-                      float* yb) {
+                      const float* bi, float* yb) {
   const Args& a = *c.a;
   const int64_t K = a.K, G = c.G, gs = a.group_size;
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(a.w) + n * c.row_bytes;
@@ -94,33 +94,22 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MM; ++m) acc[r][m] = acc2[r][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256 ga[R][MM];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MM; ++m) ga[r][m] = _mm256_setzero_ps();
     for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+      const float* xc = xp + k0 * MM;
       for (int r = 0; r < R; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes +
                                                    k0 * BITS / 8),
                      _MM_HINT_T0);
+        const __m256 s = _mm256_broadcast_ss(sc + r * G + g);
+        const __m256 b = _mm256_broadcast_ss(bi + r * G + g);
         __m256 v[4];
         unpack32<BITS>(w0 + r * c.row_bytes, k0, v);
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(v[i], s, b);
         for (int m = 0; m < MM; ++m) {
-          const float* x = xp + m * K + k0;
-          __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
-          t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), t);
-          __m256 u = _mm256_mul_ps(v[2], _mm256_loadu_ps(x + 16));
-          u = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), u);
-          ga[r][m] = _mm256_add_ps(ga[r][m], _mm256_add_ps(t, u));
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256 s = _mm256_set1_ps(sc[r * G + g]);
-      for (int m = 0; m < MM; ++m) {
-        if (g & 1) {
-          acc2[r][m] = _mm256_fmadd_ps(ga[r][m], s, acc2[r][m]);
-        } else {
-          acc[r][m] = _mm256_fmadd_ps(ga[r][m], s, acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(v[0], _mm256_load_ps(xc + m * 32), acc[r][m]);
+          acc2[r][m] = _mm256_fmadd_ps(v[1], _mm256_load_ps(xc + m * 32 + 8), acc2[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(v[2], _mm256_load_ps(xc + m * 32 + 16), acc[r][m]);
+          acc2[r][m] = _mm256_fmadd_ps(v[3], _mm256_load_ps(xc + m * 32 + 24), acc2[r][m]);
         }
       }
     }
@@ -128,29 +117,6 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < MM; ++m) {
       yb[m * kGemvRowBlock + r] = hsum(_mm256_add_ps(acc[r][m], acc2[r][m]));
-    }
-  }
-}
-
-// out[m0 + m][n0 .. n1) = yb[m][.] + sum_g bias[n][g] * xsum[m][g].
-void gemv_finish(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
-                 const float* bi, float* yb) {
-  const Args& a = *c.a;
-  const int64_t G = c.G;
-  const int64_t rows = n1 - n0;
-  for (int m = 0; m < mm; ++m) {
-    const float* xs = c.xs + (m0 + m) * G;
-    float* y = yb + m * kGemvRowBlock;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* b = bi + r * G;
-      __m256 bacc = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= G; g += 8) {
-        bacc = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xs + g), bacc);
-      }
-      float v = y[r] + hsum(bacc);
-      for (; g < G; ++g) v += b[g] * xs[g];
-      store_f32(a.out, a.x_dtype, (m0 + m) * a.N + n0 + r, v);
     }
   }
 }
@@ -220,10 +186,16 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
     return;
   } else {
     for (; n + R <= n1; n += R) {
-      gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
+      gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
     }
-    for (; n < n1; ++n) gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, yb + (n - n0));
-    gemv_finish(c, m0, MM, n0, n1, bi, yb);
+    for (; n < n1; ++n) {
+      gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+    }
+    for (int m = 0; m < MM; ++m) {
+      for (int64_t r = 0; r < n1 - n0; ++r) {
+        store_f32(c.a->out, c.a->x_dtype, (m0 + m) * c.a->N + n0 + r, yb[m * kGemvRowBlock + r]);
+      }
+    }
   }
 }
 
@@ -241,31 +213,36 @@ void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
 void gemv(const Args& a) {
   const bool dense = a.bits == 0;
   const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
-  float* xp = tl_x.get(static_cast<size_t>(M * K + M * G + K));
-  float* xs = xp + M * K;
-  float* tmp = xs + M * G;
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = xp + m * K;
-    cvt_row(a.x, a.x_dtype, m * K, K, tmp);
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 s = _mm256_setzero_ps();
-      for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += 8) {
-        s = _mm256_add_ps(s, _mm256_loadu_ps(tmp + k));
-      }
-      xs[m * G + g] = hsum(s);
-    }
-    if (a.bits == 4) {
-      for (int64_t k = 0; k < K; k += 16) {
-        for (int j = 0; j < 8; ++j) {
-          row[k + j] = tmp[k + 2 * j];
-          row[k + 8 + j] = tmp[k + 2 * j + 1];
+  // Activations as fp32: dense rows [M][K]; for quantized weights blocks of
+  // up to 4 rows interleaved per 32-value chunk, [K / 32][mm][32] (4 bits:
+  // per 16 values, evens then odds), so the tile addresses them as one
+  // pointer plus constants (see qmm_avx512.cpp).
+  float* xp = tl_x.get(static_cast<size_t>(M * K + K));
+  float* tmp = xp + M * K;
+  if (dense) {
+    for (int64_t m = 0; m < M; ++m) cvt_row(a.x, a.x_dtype, m * K, K, xp + m * K);
+  } else {
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+      const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
+      for (int64_t m = 0; m < mm; ++m) {
+        cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, tmp);
+        float* dst = xp + m0 * K + m * 32;
+        for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
+          if (a.bits == 4) {
+            for (int h = 0; h < 32; h += 16) {
+              for (int j = 0; j < 8; ++j) {
+                dst[h + j] = tmp[k + h + 2 * j];
+                dst[h + 8 + j] = tmp[k + h + 2 * j + 1];
+              }
+            }
+          } else {
+            std::memcpy(dst, tmp + k, sizeof(float) * 32);
+          }
         }
       }
-    } else {
-      std::memcpy(row, tmp, sizeof(float) * K);
     }
   }
-  GemvCtx c{&a, xp, xs, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
+  GemvCtx c{&a, xp, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
   const int64_t units = ceil_div(a.N, kGemvRowBlock);
   auto body = [&c, &a, G, M, dense](int64_t u0, int64_t u1) {
     float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
