@@ -19,6 +19,13 @@ Oracles:
     it is off by up to ~1.3e-3 / 1.2e-2 of the scale on these shapes), so
     REF_TOL: fp32 5e-6, fp16 1e-2, bf16 6e-2 (measured worst: 4e-7, 5.4e-3,
     3.2e-2).
+
+The model tests at the end run the models as they ran before fusion (the
+layers' fused pieces as separate ops) next to the fused ones: the default
+model and tiny models of every family (fused and separate projections,
+biases, quantized or not, fp32/fp16/bf16) give bit-identical prefill and
+decode logits, and a decode step of the default model has far fewer
+primitives.
 """
 
 import io
@@ -297,3 +304,151 @@ def test_reference_dispatch_is_the_reference(proj, monkeypatch):
     for variant in VARIANTS:
         x, kw = make_case(variant, 3, 16, 64, mx.float32)
         assert mx.array_equal(proj.fused(x, **kw), proj.reference(x, **kw)).item(), variant
+
+
+# --- the default model ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    import mlxfast
+
+    return mlxfast.load()[0]
+
+
+def _decode_graph(model):
+    """Prefill logits (evaluated) and the logits of one decode step (lazy)."""
+    from mlxfast.kv import DenseKVCache
+
+    cache = DenseKVCache(len(model.layers))
+    ids = mx.array([[1, 54, 38, 14, 60, 75, 82, 49]])  # < every test vocab
+    prefill = model(ids, cache)
+    mx.eval(prefill)
+    cache.advance(ids.shape[1])
+    return prefill, model(mx.array([[28]]), cache)
+
+
+def _unfuse_layers(monkeypatch):
+    """The model as it ran before fusion: every layer call that passes fused
+    pieces runs them as separate ops around the plain projection instead
+    (``residual + proj(norm(x))``, ``residual + proj(silu_mul_halves(x))``,
+    ``head(norm(h))``); the model code itself is unchanged."""
+    from mlxfast.models.layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
+
+    for cls in (Linear, QuantizedLinear):
+        def call(self, x, *, norm=None, act=None, residual=None, _plain=cls.__call__):
+            if norm is not None:
+                x = norm(x)
+            if act is not None:
+                x = ops.silu_mul_halves(x)
+            y = _plain(self, x)
+            return y if residual is None else residual + y
+        monkeypatch.setattr(cls, "__call__", call)
+    for cls in (Embedding, QuantizedEmbedding):
+        def as_linear(self, x, *, norm=None, _plain=cls.as_linear):
+            return _plain(self, x if norm is None else norm(x))
+        monkeypatch.setattr(cls, "as_linear", as_linear)
+
+
+def test_default_model_decode_step_primitives(default_model, monkeypatch):
+    """Primitives in one decode step of the default model (30 layers,
+    DenseKVCache): 363 before fusion (12 per layer: 2 rms_norm, 4 matmuls,
+    2 adds, silu_mul, qkv_rope, kv_write_pair, attention; + embedding, final
+    norm, head), 212 after (7 per layer; the final norm rides in the head).
+    The bound is one the graph before fusion exceeds (checked below).
+    """
+    prims = _primitives(_decode_graph(default_model)[1])
+    assert len(prims) <= 215, len(prims)
+    assert "Add" not in prims and "SiluMul" not in prims and "MlxfastRmsNorm" not in prims
+    _unfuse_layers(monkeypatch)
+    assert len(_primitives(_decode_graph(default_model)[1])) > 350
+
+
+def test_default_model_logits_unchanged_by_fusion(default_model, monkeypatch):
+    """Prefill and decode logits are bit-identical to the unfused composition."""
+    fused = _decode_graph(default_model)
+    mx.eval(fused)
+    _unfuse_layers(monkeypatch)
+    unfused = _decode_graph(default_model)
+    for a, b in zip(fused, unfused):
+        assert mx.array_equal(a, b).item()
+
+
+# --- layers and tiny models of every family: fused == unfused, bit for bit ------
+
+TINY = [
+    ("llama", mx.float32, None, {}),
+    ("llama", mx.bfloat16, {"group_size": 32, "bits": 4}, {}),
+    ("llama", mx.float16, None, {"attention_bias": True, "mlp_bias": True}),  # bias before residual
+    ("llama", mx.float32, {"group_size": 32, "bits": 4,  # unlike q/k/v and gate/up stay separate
+                           "model.layers.0.self_attn.k_proj": {"group_size": 32, "bits": 8},
+                           "model.layers.1.mlp.up_proj": {"group_size": 64, "bits": 8}}, {}),
+    ("mistral", mx.bfloat16, None, {}),
+    ("qwen2", mx.float16, {"group_size": 64, "bits": 8}, {}),  # q/k/v bias
+    ("qwen3", mx.bfloat16, None, {}),  # per-head q/k norm
+]
+
+
+@pytest.mark.parametrize("kind,dtype,quant,overrides", TINY,
+                         ids=[f"{t[0]}-{t[1]}-{'q' if t[2] else 'dense'}{'-bias' if t[3] else ''}"
+                              f"{'-mixed' if t[2] and len(t[2]) > 2 else ''}" for t in TINY])
+def test_tiny_model_logits_unchanged_by_fusion(tmp_path, monkeypatch, kind, dtype, quant, overrides):
+    import mlxfast
+    from tiny_models import make_tiny_model
+
+    model, _ = mlxfast.load(make_tiny_model(tmp_path / "m", kind, dtype=dtype, quantize=quant,
+                                            **overrides))
+    if quant and len(quant) > 2:
+        assert "qkv_proj" not in model.layers[0].self_attn and "gate_up_proj" not in model.layers[1].mlp
+    fused = _decode_graph(model)
+    mx.eval(fused)
+    _unfuse_layers(monkeypatch)
+    unfused = _decode_graph(model)
+    for a, b in zip(fused, unfused):
+        assert a.dtype == b.dtype
+        assert mx.array_equal(a, b).item()
+
+
+def test_engine_tiny_model_unfused_projections(monkeypatch):
+    """The engine tests' model (dense, q/k/v and gate/up never fused)."""
+    from engine_utils import tiny_model
+
+    model = tiny_model()
+    fused = _decode_graph(model)
+    mx.eval(fused)
+    _unfuse_layers(monkeypatch)
+    for a, b in zip(fused, _decode_graph(model)):
+        assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_layers_take_fused_pieces(quantized, bias):
+    from mlxfast.models.layers import Linear, QuantizedLinear, RMSNorm
+
+    mx.random.seed(5)
+    K, N = 64, 32
+    w = mx.random.normal((N, K)).astype(mx.bfloat16)
+    if quantized:
+        lin = QuantizedLinear(K, N, bias, 32, 4)
+        wq, s, b = mx.quantize(w, group_size=32, bits=4)
+        lin.update({"weight": wq, "scales": s, "biases": b})
+    else:
+        lin = Linear(K, N, bias)
+        lin.weight = w
+    if bias:
+        lin.bias = mx.random.normal((N,)).astype(mx.bfloat16)
+    norm = RMSNorm(K, 1e-5)
+    norm.weight = (1 + mx.random.normal((K,))).astype(mx.bfloat16)
+    x = mx.random.normal((2, 3, K)).astype(mx.bfloat16)
+    x2 = mx.random.normal((2, 3, 2 * K)).astype(mx.bfloat16)
+    r = mx.random.normal((2, 3, N)).astype(mx.bfloat16)
+    assert mx.array_equal(lin(x, norm=norm), lin(norm(x))).item()
+    assert mx.array_equal(lin(x, norm=norm, residual=r), r + lin(norm(x))).item()
+    assert mx.array_equal(lin(x2, act="silu_mul_halves", residual=r),
+                          r + lin(ops.silu_mul_halves(x2))).item()
+    r32 = r.astype(mx.float32)  # another dtype: MLX's add promotes, as unfused
+    got = lin(x, residual=r32)
+    assert got.dtype == mx.float32 and mx.array_equal(got, r32 + lin(x)).item()
+    if not bias:
+        assert _primitives(lin(x, norm=norm, residual=r))[-1].startswith("Mlxfast")
