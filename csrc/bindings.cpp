@@ -54,10 +54,27 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none());
   m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
         "stream"_a = nb::none());
-  m.def("dense_matmul", &mlxfast::dense_matmul, "x"_a, "w"_a, nb::kw_only(),
-        "stream"_a = nb::none());
-  m.def("quantized_matmul", &mlxfast::quantized_matmul, "x"_a, "w"_a, "scales"_a,
-        "biases"_a, nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
+  // Fused pieces (see ops/quantized_matmul.h): norm (weight) + eps, act, residual.
+  m.def("dense_matmul",
+        [](const mx::array& x, const mx::array& w, std::optional<mx::array> norm, float eps,
+           std::optional<std::string> act, std::optional<mx::array> residual,
+           mx::StreamOrDevice s) {
+          return mlxfast::dense_matmul(x, w, mlxfast::Fusion{norm, eps, act.value_or(""), residual},
+                                       s);
+        },
+        "x"_a, "w"_a, nb::kw_only(), "norm"_a = nb::none(), "eps"_a = 0.f,
+        "act"_a = nb::none(), "residual"_a = nb::none(), "stream"_a = nb::none());
+  m.def("quantized_matmul",
+        [](const mx::array& x, const mx::array& w, const mx::array& scales,
+           const mx::array& biases, int group_size, int bits, std::optional<mx::array> norm,
+           float eps, std::optional<std::string> act, std::optional<mx::array> residual,
+           mx::StreamOrDevice s) {
+          return mlxfast::quantized_matmul(x, w, scales, biases, group_size, bits,
+                                           mlxfast::Fusion{norm, eps, act.value_or(""), residual},
+                                           s);
+        },
+        "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
+        "norm"_a = nb::none(), "eps"_a = 0.f, "act"_a = nb::none(), "residual"_a = nb::none(),
         "stream"_a = nb::none());
   m.def("dequantize_rows", &mlxfast::dequantize_rows, "w"_a, "scales"_a, "biases"_a, "ids"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "dtype"_a = nb::none(), "stream"_a = nb::none());

@@ -8,10 +8,13 @@
 #include "common/op_checks.h"
 #include "common/cpu_features.h"
 #include "common/dense_input.h"
+#include "common/scratch.h"
 #include "common/thread_pool.h"
 #include "cpu/qmm.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "ops/rms_norm.h"
+#include "ops/silu_mul.h"
 
 namespace mlxfast {
 
@@ -35,25 +38,149 @@ qmm::DType to_qmm(mx::Dtype dt) {
   return qmm::BF16;
 }
 
-// Runs `a` on the encoder's thread with the path chosen now (at eval time).
-// a.x is replaced by x's data, packed there first when x is strided.
-void run_dispatched(qmm::Args a, const mx::array& x, mx::cpu::CommandEncoder& enc) {
-  CpuPath path = cpu_path();
-  DenseInput xin = dense_input(x, enc);
-  a.x = xin.data;
-  enc.dispatch([a, path, xin]() {
-    xin.pack();
-    switch (path) {
+void run_path(const qmm::Args& a, CpuPath path) {
+  switch (path) {
 #if defined(MLXFAST_X86)
-      case CpuPath::Avx512: qmm::run_avx512(a); break;
-      case CpuPath::Avx2: qmm::run_avx2(a); break;
+    case CpuPath::Avx512: qmm::run_avx512(a); break;
+    case CpuPath::Avx2: qmm::run_avx2(a); break;
 #endif
 #if defined(MLXFAST_ARM64)
-      case CpuPath::Neon: qmm::run_neon(a); break;
+    case CpuPath::Neon: qmm::run_neon(a); break;
 #endif
-      default: qmm::run_portable(a); break;
-    }
+    default: qmm::run_portable(a); break;
+  }
+}
+
+// The prologue's result (x's dtype), on the thread that runs the task: the
+// matmul kernel reads it while this thread takes part in its fan-out.
+thread_local Scratch tl_prologue;
+
+// out[i] = r[i] + out[i] in T: for half types MLX's own operator+ (float32
+// sum, one rounding), i.e. what mx.add computes on the CPU.
+template <typename T>
+void add_residual_as(const void* r, void* out, int64_t n) {
+  const T* rp = static_cast<const T*>(r);
+  T* op = static_cast<T*>(out);
+  parallel_for(n, 16384, [=](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) op[i] = rp[i] + op[i];
   });
+}
+
+void add_residual(mx::Dtype dt, const void* r, void* out, int64_t n) {
+  switch (dt) {
+    case mx::float32: add_residual_as<float>(r, out, n); break;
+    case mx::float16: add_residual_as<mx::float16_t>(r, out, n); break;
+    default: add_residual_as<mx::bfloat16_t>(r, out, n); break;
+  }
+}
+
+// Runs `a` (all set but a.x) on the encoder's thread with the path chosen
+// now (at eval time): x packed if strided, the prologue on its rows into
+// scratch (a.x then points there), the matmul, then the residual added to
+// the output in place.
+void run_dispatched(qmm::Args a, const FusedSpec& spec, const mx::array& x,
+                    const mx::array* norm_w, const mx::array* residual,
+                    mx::cpu::CommandEncoder& enc) {
+  const CpuPath path = cpu_path();
+  const DenseInput xin = dense_input(x, enc);
+  const DenseInput nin = norm_w ? dense_input(*norm_w, enc) : DenseInput{};
+  const DenseInput rin = residual ? dense_input(*residual, enc) : DenseInput{};
+  const mx::Dtype xt = x.dtype();
+  const mx::Dtype nt = norm_w ? norm_w->dtype() : mx::float32;
+  const auto prologue = spec.prologue;
+  const float eps = spec.eps;
+  const bool has_residual = residual != nullptr;
+  enc.dispatch([a, path, xin, nin, rin, xt, nt, prologue, eps, has_residual]() mutable {
+    xin.pack();
+    nin.pack();
+    rin.pack();
+    const int64_t esize = qmm::dtype_size(a.x_dtype);
+    if (a.K == 0) {
+      std::memset(a.out, 0, static_cast<size_t>(a.M * a.N * esize));
+    } else {
+      a.x = xin.data;
+      if (prologue != FusedSpec::None) {
+        const size_t bytes = static_cast<size_t>(a.M * a.K * esize);
+        void* buf = tl_prologue.get((bytes + sizeof(float) - 1) / sizeof(float));
+        if (prologue == FusedSpec::Norm) {
+          rms_norm_rows(xt, xin.data, nt, nin.data, buf, a.M, a.K, eps);
+        } else {
+          silu_mul_halves_rows(xin.data, buf, a.M, a.K, xt, path);
+        }
+        a.x = buf;
+      }
+      run_path(a, path);
+      tl_prologue.trim(qmm::kKeepScratchFloats);
+    }
+    if (has_residual) add_residual(xt, rin.data, a.out, a.M * a.N);
+  });
+}
+
+// The primitive's optional inputs after its weights (see the op functions).
+void fused_inputs(const FusedSpec& spec, const std::vector<mx::array>& inputs, size_t first,
+                  const mx::array*& norm_w, const mx::array*& residual) {
+  size_t i = first;
+  norm_w = spec.prologue == FusedSpec::Norm ? &inputs[i++] : nullptr;
+  residual = spec.residual ? &inputs[i++] : nullptr;
+}
+
+// Validates f for a matmul of x; casts x as the norm's rms_norm would and
+// returns the spec, the K the matmul sees, and the primitive's extra inputs
+// ([norm_weight]; the residual is checked once the output is known).
+struct Prepared {
+  mx::array x;
+  FusedSpec spec;
+  int64_t K;
+  std::vector<mx::array> extra;
+};
+
+Prepared prepare(const char* op, const mx::array& x, const Fusion& f, mx::Stream stream) {
+  Prepared p{x, {}, x.ndim() ? x.shape(-1) : 0, {}};
+  if (!f.act.empty() && f.act != "silu_mul_halves") {
+    mlxfast::fail(op, "act must be 'silu_mul_halves' (or none), got '" + f.act + "'.");
+  }
+  if (f.norm_weight && !f.act.empty()) mlxfast::fail(op, "norm and act cannot both be given.");
+  if (f.norm_weight) {
+    const auto& nw = *f.norm_weight;
+    if (x.ndim() < 1 || nw.ndim() != 1 || nw.shape(0) != x.shape(-1)) {
+      std::ostringstream msg;
+      msg << "norm weight must be [D] with D = x.shape[-1]; got x " << x.shape()
+          << " and norm weight " << nw.shape() << ".";
+      mlxfast::fail(op, msg.str());
+    }
+    if (!is_float(nw.dtype())) mlxfast::fail(op, "norm weight must be float32, float16 or bfloat16.");
+    if (!(f.eps >= 0.f)) mlxfast::fail(op, "norm eps must be >= 0.");
+    // As rms_norm: the normalised x has the promoted dtype.
+    auto t = mx::promote_types(x.dtype(), nw.dtype());
+    if (is_float(x.dtype()) && t != x.dtype()) p.x = mx::astype(x, t, stream);
+    p.spec.prologue = FusedSpec::Norm;
+    p.spec.eps = f.eps;
+    p.extra.push_back(nw);
+  } else if (!f.act.empty()) {
+    if (x.ndim() < 1 || x.shape(-1) % 2) {
+      std::ostringstream msg;
+      msg << "act='silu_mul_halves' needs an even last axis of x (gate and up halves), got x "
+          << x.shape() << ".";
+      mlxfast::fail(op, msg.str());
+    }
+    p.spec.prologue = FusedSpec::SiluMulHalves;
+    p.K = x.shape(-1) / 2;
+  }
+  return p;
+}
+
+void check_residual(const char* op, const Fusion& f, const mx::Shape& out_shape,
+                    mx::Dtype out_dtype, Prepared& p) {
+  if (!f.residual) return;
+  const auto& r = *f.residual;
+  if (r.shape() != out_shape || r.dtype() != out_dtype) {
+    std::ostringstream msg;
+    msg << "residual must have the output's shape " << out_shape << " and dtype " << out_dtype
+        << ", got " << r.shape() << " " << r.dtype() << ".";
+    mlxfast::fail(op, msg.str());
+  }
+  p.spec.residual = true;
+  p.extra.push_back(r);
 }
 
 // Weights are usually loaded (evaluated) and dense: no extra graph node
@@ -65,29 +192,33 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 
 } // namespace
 
-mx::array quantized_matmul(const mx::array& x, const mx::array& w,
+mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
                            const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, mx::StreamOrDevice s) {
+                           int group_size, int bits, const Fusion& f, mx::StreamOrDevice s) {
+  const char* op = "quantized_matmul";
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(bits) + ".");
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size) + ".");
   }
-  if (!is_float(x.dtype())) fail("x must be float32, float16 or bfloat16.");
+  if (!is_float(x_in.dtype())) fail("x must be float32, float16 or bfloat16.");
   if (w.dtype() != mx::uint32) fail("w must be uint32 (packed quantized weights).");
   if (!is_float(scales.dtype())) fail("scales must be float32, float16 or bfloat16.");
   if (biases.dtype() != scales.dtype()) fail("biases must have the same dtype as scales.");
-  if (x.ndim() < 1) fail("x must have at least one dimension.");
+  if (x_in.ndim() < 1) fail("x must have at least one dimension.");
   if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
     fail("w, scales and biases must be 2-D.");
   }
-  int64_t K = x.shape(-1);
+  auto stream = mx::to_stream(s);
+  Prepared p = prepare(op, x_in, f, stream);
+  const auto& x = p.x;
+  int64_t K = p.K;
   int64_t N = w.shape(0);
   std::ostringstream msg;
   if (K % group_size != 0) {
     msg << "the last dimension of x (" << K << ") must be a multiple of group_size ("
-        << group_size << ").";
+        << group_size << ")" << (p.spec.prologue == FusedSpec::SiluMulHalves ? " after act." : ".");
     fail(msg.str());
   }
   if (static_cast<int64_t>(w.shape(1)) * 32 != K * bits) {
@@ -103,16 +234,15 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w,
         << " and " << biases.shape() << ".";
     fail(msg.str());
   }
-  auto stream = mx::to_stream(s);
-  const auto& xc = x;
-  auto wc = dense_weight(w, stream);
-  auto sc = dense_weight(scales, stream);
-  auto bc = dense_weight(biases, stream);
   mx::Shape out_shape = x.shape();
   out_shape.back() = static_cast<int>(N);
+  check_residual(op, f, out_shape, x.dtype(), p);
+  std::vector<mx::array> inputs = {x, dense_weight(w, stream), dense_weight(scales, stream),
+                                   dense_weight(biases, stream)};
+  inputs.insert(inputs.end(), p.extra.begin(), p.extra.end());
   return mx::array(std::move(out_shape), x.dtype(),
-                   std::make_shared<QuantizedMatmul>(stream, group_size, bits),
-                   {xc, wc, sc, bc});
+                   std::make_shared<QuantizedMatmul>(stream, group_size, bits, p.spec),
+                   std::move(inputs));
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(
@@ -128,53 +258,56 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   auto& w = inputs[1];
   auto& sc = inputs[2];
   auto& bi = inputs[3];
+  const mx::array *norm_w, *residual;
+  fused_inputs(spec_, inputs, 4, norm_w, residual);
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(x);
-  enc.set_input_array(w);
-  enc.set_input_array(sc);
-  enc.set_input_array(bi);
+  for (auto& in : inputs) enc.set_input_array(in);
   enc.set_output_array(out);
 
   qmm::Args a;
-  a.x = x.data<void>();
+  a.x = nullptr;  // set in the task (packed / prologue)
   a.w = w.data<uint32_t>();
   a.scales = sc.data<void>();
   a.biases = bi.data<void>();
   a.out = out.data<void>();
-  a.K = x.shape(-1);
   a.N = w.shape(0);
+  a.K = spec_.prologue == FusedSpec::SiluMulHalves ? x.shape(-1) / 2 : x.shape(-1);
   a.M = a.N > 0 ? static_cast<int64_t>(out.size()) / a.N : 0;  // also right for K == 0
   a.group_size = group_size_;
   a.bits = bits_;
   a.x_dtype = to_qmm(x.dtype());
   a.s_dtype = to_qmm(sc.dtype());
   if (a.M == 0 || a.N == 0) return;
-  if (a.K == 0) {
-    std::memset(out.data<void>(), 0, out.nbytes());
-    return;
-  }
-  run_dispatched(a, x, enc);
+  run_dispatched(a, spec_, x, norm_w, residual, enc);
 }
 
-mx::array dense_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+mx::array dense_matmul(const mx::array& x_in, const mx::array& w, const Fusion& f,
+                       mx::StreamOrDevice s) {
   const char* op = "dense_matmul";
-  if (!is_float(x.dtype()) || !is_float(w.dtype())) {
+  if (!is_float(x_in.dtype()) || !is_float(w.dtype())) {
     fail(op, "x and w must be float32, float16 or bfloat16.");
   }
-  if (x.ndim() < 1) fail(op, "x must have at least one dimension.");
+  if (x_in.ndim() < 1) fail(op, "x must have at least one dimension.");
   if (w.ndim() != 2) fail(op, "w must be 2-D [N, K].");
-  if (x.shape(-1) != w.shape(1)) {
+  auto stream = mx::to_stream(s);
+  Prepared p = prepare(op, x_in, f, stream);
+  const auto& x = p.x;
+  if (p.K != w.shape(1)) {
     std::ostringstream msg;
-    msg << "shape mismatch: x has K=" << x.shape(-1) << " but w is " << w.shape() << ".";
+    msg << "shape mismatch: x has K=" << p.K
+        << (p.spec.prologue == FusedSpec::SiluMulHalves ? " after act" : "") << " but w is "
+        << w.shape() << ".";
     fail(op, msg.str());
   }
-  auto stream = mx::to_stream(s);
   mx::Shape out_shape = x.shape();
   out_shape.back() = w.shape(0);
-  return mx::array(std::move(out_shape), x.dtype(), std::make_shared<DenseMatmul>(stream),
-                   {x, dense_weight(w, stream)});
+  check_residual(op, f, out_shape, x.dtype(), p);
+  std::vector<mx::array> inputs = {x, dense_weight(w, stream)};
+  inputs.insert(inputs.end(), p.extra.begin(), p.extra.end());
+  return mx::array(std::move(out_shape), x.dtype(), std::make_shared<DenseMatmul>(stream, p.spec),
+                   std::move(inputs));
 }
 
 std::vector<mx::Shape> DenseMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -187,19 +320,20 @@ void DenseMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                            std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
   auto& w = inputs[1];
+  const mx::array *norm_w, *residual;
+  fused_inputs(spec_, inputs, 2, norm_w, residual);
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(x);
-  enc.set_input_array(w);
+  for (auto& in : inputs) enc.set_input_array(in);
   enc.set_output_array(out);
   qmm::Args a;
-  a.x = x.data<void>();
+  a.x = nullptr;  // set in the task (packed / prologue)
   a.w = w.data<void>();
   a.scales = a.biases = nullptr;
   a.out = out.data<void>();
-  a.K = x.shape(-1);
   a.N = w.shape(0);
+  a.K = w.shape(1);
   a.M = a.N > 0 ? static_cast<int64_t>(out.size()) / a.N : 0;  // also right for K == 0
   a.group_size = 0;
   a.bits = 0;
@@ -207,11 +341,7 @@ void DenseMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   a.s_dtype = qmm::F32;
   a.w_dtype = to_qmm(w.dtype());
   if (a.M == 0 || a.N == 0) return;
-  if (a.K == 0) {
-    std::memset(out.data<void>(), 0, out.nbytes());
-    return;
-  }
-  run_dispatched(a, x, enc);
+  run_dispatched(a, spec_, x, norm_w, residual, enc);
 }
 
 void DenseMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

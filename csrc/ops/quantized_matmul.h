@@ -4,7 +4,17 @@
 // few rows and a blocked GEMM path for many, per ISA (portable, AVX2,
 // AVX-512, NEON). Both share one driver (csrc/cpu/qmm_*.cpp); dense weights
 // are "bits 0" there.
+//
+// Both take optional fused pieces (struct Fusion): a prologue on x (rms_norm
+// or silu_mul_halves) and a residual-add epilogue, so that the small ops
+// around a layer's projections cost no primitive of their own. Each piece
+// gives bit-identical numbers to the separate op: the prologue runs the
+// separate op's own kernel into a per-thread scratch in x's dtype, then the
+// unchanged matmul kernel reads it; the epilogue adds as MLX's add does.
 #pragma once
+
+#include <optional>
+#include <string>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
@@ -14,17 +24,45 @@ namespace mlxfast {
 
 namespace mx = mlx::core;
 
+// Optional pieces fused into a projection primitive.
+struct Fusion {
+  // Prologue, at most one. norm_weight [D] (D = x.shape[-1]): the matmul
+  // consumes rms_norm(x, norm_weight, eps) (x is first cast to the promoted
+  // dtype of x and the weight, as rms_norm does). act == "silu_mul_halves":
+  // it consumes silu_mul_halves(x) (x = [..., 2K], gate then up).
+  std::optional<mx::array> norm_weight;
+  float eps = 0.f;
+  std::string act;
+  // Epilogue: the output is residual + (x @ W.T), residual with the output's
+  // shape and dtype, added in float32 and rounded once (MLX's add).
+  std::optional<mx::array> residual;
+};
+
+// The fused pieces as a primitive stores and compares them.
+struct FusedSpec {
+  enum Prologue : int { None = 0, Norm = 1, SiluMulHalves = 2 };
+  Prologue prologue = None;
+  float eps = 0.f;
+  bool residual = false;
+  bool operator==(const FusedSpec& o) const {
+    return prologue == o.prologue && eps == o.eps && residual == o.residual;
+  }
+};
+
 // x: [..., K] float32/float16/bfloat16; w: [N, K * bits / 32] uint32;
 // scales, biases: [N, K / group_size] float32/float16/bfloat16 (same dtype).
-// Returns [..., N] in x's dtype, accumulated in float32.
+// Returns [..., N] in x's dtype, accumulated in float32. With f.act, x is
+// [..., 2K]; with f.norm_weight, the output has the norm's promoted dtype.
+// Inputs of the primitive: x, w, scales, biases[, norm_weight][, residual].
 mx::array quantized_matmul(const mx::array& x, const mx::array& w,
                            const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, mx::StreamOrDevice s = {});
+                           int group_size, int bits, const Fusion& f = {},
+                           mx::StreamOrDevice s = {});
 
 class QuantizedMatmul : public mx::Primitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, FusedSpec spec = {})
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), spec_(spec) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
@@ -32,7 +70,7 @@ class QuantizedMatmul : public mx::Primitive {
   const char* name() const override { return "MlxfastQuantizedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && spec_ == o.spec_;
   }
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
@@ -40,25 +78,34 @@ class QuantizedMatmul : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+  FusedSpec spec_;
 };
 
 // x: [..., K], w: [N, K], both float32/float16/bfloat16 (any mix).
 // Returns [..., N] in x's dtype, accumulated in float32. MLX's CPU matmul
 // is a reference BLAS at ~3-4 GFLOP/s on Linux; this is the path for
-// unquantized models.
-mx::array dense_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+// unquantized models. Fusion as for quantized_matmul; inputs of the
+// primitive: x, w[, norm_weight][, residual].
+mx::array dense_matmul(const mx::array& x, const mx::array& w, const Fusion& f = {},
+                       mx::StreamOrDevice s = {});
 
 class DenseMatmul : public mx::Primitive {
  public:
-  explicit DenseMatmul(mx::Stream stream) : mx::Primitive(stream) {}
+  explicit DenseMatmul(mx::Stream stream, FusedSpec spec = {})
+      : mx::Primitive(stream), spec_(spec) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxfastDenseMatmul"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return spec_ == static_cast<const DenseMatmul&>(other).spec_;
+  }
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
+
+ private:
+  FusedSpec spec_;
 };
 
 } // namespace mlxfast

@@ -35,16 +35,33 @@ void rms_norm_rows(const T* x, const W* w, T* out, int64_t rows, int64_t d, floa
 }
 
 template <typename T>
-void dispatch_weight(mx::Dtype wt, const void* w, const T* x, T* out, int64_t rows, int64_t d,
-                     float eps) {
+void rms_norm_rows_as(const void* x, mx::Dtype wt, const void* w, void* out, int64_t rows,
+                      int64_t d, float eps) {
+  const T* xt = static_cast<const T*>(x);
+  T* ot = static_cast<T*>(out);
   switch (wt) {
-    case mx::float32: rms_norm_rows(x, static_cast<const float*>(w), out, rows, d, eps); break;
-    case mx::float16: rms_norm_rows(x, static_cast<const mx::float16_t*>(w), out, rows, d, eps); break;
-    default: rms_norm_rows(x, static_cast<const mx::bfloat16_t*>(w), out, rows, d, eps); break;
+    case mx::float32: rms_norm_rows(xt, static_cast<const float*>(w), ot, rows, d, eps); break;
+    case mx::float16: rms_norm_rows(xt, static_cast<const mx::float16_t*>(w), ot, rows, d, eps); break;
+    default: rms_norm_rows(xt, static_cast<const mx::bfloat16_t*>(w), ot, rows, d, eps); break;
   }
 }
 
 } // namespace
+
+void rms_norm_rows(mx::Dtype dt, const void* x, mx::Dtype wt, const void* w, void* out,
+                   int64_t rows, int64_t d, float eps) {
+  switch (dt) {
+    case mx::float32:
+      rms_norm_rows_as<float>(x, wt, w, out, rows, d, eps);
+      break;
+    case mx::float16:
+      rms_norm_rows_as<mx::float16_t>(x, wt, w, out, rows, d, eps);
+      break;
+    default:
+      rms_norm_rows_as<mx::bfloat16_t>(x, wt, w, out, rows, d, eps);
+      break;
+  }
+}
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
@@ -87,19 +104,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   enc.dispatch([xin, win, wt, ot, o, rows, d, eps]() {
     xin.pack();
     win.pack();
-    switch (ot) {
-      case mx::float32:
-        dispatch_weight(wt, win.data, xin.as<float>(), static_cast<float*>(o), rows, d, eps);
-        break;
-      case mx::float16:
-        dispatch_weight(wt, win.data, xin.as<mx::float16_t>(), static_cast<mx::float16_t*>(o),
-                        rows, d, eps);
-        break;
-      default:
-        dispatch_weight(wt, win.data, xin.as<mx::bfloat16_t>(), static_cast<mx::bfloat16_t*>(o),
-                        rows, d, eps);
-        break;
-    }
+    rms_norm_rows(ot, xin.data, wt, win.data, o, rows, d, eps);
   });
 }
 

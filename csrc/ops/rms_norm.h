@@ -14,6 +14,13 @@ namespace mx = mlx::core;
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
                    mx::StreamOrDevice s = {});
 
+// The kernel on dense rows, for other primitives that fuse a norm (the
+// projections' prologue): x and out [rows, d] in dt, w [d] in wt. Fans out
+// over the thread pool; call it inside a dispatched task. Same numbers as
+// the RmsNorm primitive (it runs this).
+void rms_norm_rows(mx::Dtype dt, const void* x, mx::Dtype wt, const void* w, void* out,
+                   int64_t rows, int64_t d, float eps);
+
 class RmsNorm : public mx::Primitive {
  public:
   RmsNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}

@@ -50,6 +50,39 @@ mx::array silu_mul_halves(const mx::array& gate_up, mx::StreamOrDevice s) {
   return mx::array(shape, dt, std::make_shared<SiluMul>(stream, true), {gate_up});
 }
 
+namespace {
+
+int act_dtype(mx::Dtype dt) { return dt == mx::float32 ? 0 : (dt == mx::float16 ? 1 : 2); }
+
+// Rows [0, rows) of args over the pool: pieces of ~16K elements, one piece
+// per pool thread when small.
+void run_rows(const act::Args& args, int64_t rows, CpuPath path) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(args.m, 1));
+  parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+    switch (path) {
+#if defined(MLXFAST_X86)
+      case CpuPath::Avx512: act::silu_mul_rows_avx512(args, r0, r1); break;
+      case CpuPath::Avx2: act::silu_mul_rows_avx2(args, r0, r1); break;
+#endif
+      default: act::silu_mul_rows_portable(args, r0, r1); break;
+    }
+  });
+}
+
+} // namespace
+
+void silu_mul_halves_rows(const void* gate_up, void* out, int64_t rows, int64_t m,
+                          mx::Dtype dt, CpuPath path) {
+  act::Args args;
+  args.m = m;
+  args.stride = 2 * m;
+  args.out = out;
+  args.dtype = act_dtype(dt);
+  args.g = gate_up;
+  args.u = static_cast<const char*>(gate_up) + m * (dt == mx::float32 ? 4 : 2);
+  run_rows(args, rows, path);
+}
+
 void SiluMul::eval_cpu(const std::vector<mx::array>& inputs,
                        std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
@@ -69,7 +102,7 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs,
   args.m = m;
   args.stride = stride;
   args.out = out.data<void>();
-  args.dtype = dt == mx::float32 ? 0 : (dt == mx::float16 ? 1 : 2);
+  args.dtype = act_dtype(dt);
   const int64_t esize = dt == mx::float32 ? 4 : 2;
   const CpuPath path = cpu_path();
   enc.dispatch([=]() mutable {
@@ -77,17 +110,7 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs,
     if (!halves) uin.pack();
     args.g = gin.data;
     args.u = static_cast<const char*>(uin.data) + up_offset * esize;
-    // Rows in pieces of ~16K elements: one piece per pool thread when small.
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(m, 1));
-    parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
-      switch (path) {
-#if defined(MLXFAST_X86)
-        case CpuPath::Avx512: act::silu_mul_rows_avx512(args, r0, r1); break;
-        case CpuPath::Avx2: act::silu_mul_rows_avx2(args, r0, r1); break;
-#endif
-        default: act::silu_mul_rows_portable(args, r0, r1); break;
-      }
-    });
+    run_rows(args, rows, path);
   });
 }
 

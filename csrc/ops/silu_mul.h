@@ -6,6 +6,8 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+#include "common/cpu_features.h"
+
 namespace mlxfast {
 
 namespace mx = mlx::core;
@@ -16,6 +18,13 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up,
 // The same with gate and up as the two halves of one array's last axis (the
 // output of a fused gate/up projection): [..., 2M] -> [..., M].
 mx::array silu_mul_halves(const mx::array& gate_up, mx::StreamOrDevice s = {});
+
+// The silu_mul_halves kernel on dense rows, for other primitives that fuse
+// it (a projection's prologue): gate_up [rows, 2m] -> out [rows, m], both in
+// dt, on the given CPU path. Fans out over the thread pool; call it inside a
+// dispatched task. Same numbers as the SiluMul primitive (it runs this).
+void silu_mul_halves_rows(const void* gate_up, void* out, int64_t rows, int64_t m,
+                          mx::Dtype dt, CpuPath path);
 
 class SiluMul : public mx::Primitive {
  public:

@@ -24,7 +24,15 @@ from .. import ops
 
 
 class Linear(nn.Module):
-    """Dense ``x @ weight.T (+ bias)``."""
+    """Dense ``x @ weight.T (+ bias)``.
+
+    Optional fused pieces (one primitive on the CPU, same numbers as the
+    separate ops): ``norm`` (an :class:`RMSNorm`) applied to x first, or
+    ``act="silu_mul_halves"`` (x holds gate and up halves), and ``residual``
+    (with the product's shape) added last: ``residual + (x @ weight.T + bias)``.
+    A bias, or a residual of another dtype than the product (MLX's add
+    promotes it), is added as a separate op.
+    """
 
     def __init__(self, in_dims: int, out_dims: int, bias: bool = False):
         super().__init__()
@@ -32,14 +40,22 @@ class Linear(nn.Module):
         if bias:
             self.bias = mx.zeros((out_dims,))
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = ops.dense_matmul(x, self["weight"])
+    def __call__(self, x: mx.array, *, norm=None, act: str | None = None,
+                 residual: mx.array | None = None) -> mx.array:
+        w = self["weight"]
+        if norm is not None:
+            norm = (norm["weight"], norm.eps)
         bias = self.get("bias")
-        return y if bias is None else y + bias
+        if residual is not None and (
+                bias is not None or residual.dtype != mx.result_type(_prologue_dtype(x, norm), w)):
+            return residual + _add_bias(ops.dense_matmul(x, w, norm=norm, act=act), bias)
+        return _add_bias(ops.dense_matmul(x, w, norm=norm, act=act, residual=residual), bias)
 
 
 class QuantizedLinear(nn.Module):
-    """Affine-quantized ``x @ dequantize(weight).T (+ bias)`` (MLX format)."""
+    """Affine-quantized ``x @ dequantize(weight).T (+ bias)`` (MLX format).
+
+    Takes the same fused pieces as :class:`Linear`."""
 
     def __init__(self, in_dims: int, out_dims: int, bias: bool, group_size: int, bits: int):
         super().__init__()
@@ -56,11 +72,32 @@ class QuantizedLinear(nn.Module):
             self.bias = mx.zeros((out_dims,))
         self.freeze()
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = ops.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
-                                 group_size=self.group_size, bits=self.bits)
+    def __call__(self, x: mx.array, *, norm=None, act: str | None = None,
+                 residual: mx.array | None = None) -> mx.array:
+        if norm is not None:
+            norm = (norm["weight"], norm.eps)
+        w, scales, biases = self["weight"], self["scales"], self["biases"]
         bias = self.get("bias")
-        return y if bias is None else y + bias
+        if residual is not None and (bias is not None or residual.dtype != _prologue_dtype(x, norm)):
+            y = ops.quantized_matmul(x, w, scales, biases, group_size=self.group_size,
+                                     bits=self.bits, norm=norm, act=act)
+            return residual + _add_bias(y, bias)
+        return _add_bias(ops.quantized_matmul(
+            x, w, scales, biases, group_size=self.group_size, bits=self.bits, norm=norm, act=act,
+            residual=residual), bias)
+
+
+def _prologue_dtype(x: mx.array, norm) -> mx.Dtype:
+    """The dtype the matmul sees (rms_norm promotes x with its weight)."""
+    return x.dtype if norm is None else mx.result_type(x, norm[0])
+
+
+def _add_bias(y: mx.array, bias) -> mx.array:
+    return y if bias is None else y + bias
+
+
+def _norm_args(norm):
+    return None if norm is None else (norm["weight"], norm.eps)
 
 
 def fuse_linears(layers: list) -> "Linear | QuantizedLinear | None":
@@ -99,8 +136,10 @@ class Embedding(nn.Module):
     def __call__(self, ids: mx.array) -> mx.array:
         return self.weight[ids]
 
-    def as_linear(self, x: mx.array) -> mx.array:
-        return ops.dense_matmul(x, self["weight"])
+    def as_linear(self, x: mx.array, *, norm=None) -> mx.array:
+        """``norm(x) @ weight.T`` (tied output head; ``norm`` an optional
+        :class:`RMSNorm`, fused into the matmul)."""
+        return ops.dense_matmul(x, self["weight"], norm=_norm_args(norm))
 
 
 class QuantizedEmbedding(nn.Module):
@@ -118,9 +157,11 @@ class QuantizedEmbedding(nn.Module):
         return ops.dequantize_rows(self["weight"], self["scales"], self["biases"], ids,
                                    group_size=self.group_size, bits=self.bits, dtype=mx.float32)
 
-    def as_linear(self, x: mx.array) -> mx.array:
+    def as_linear(self, x: mx.array, *, norm=None) -> mx.array:
+        """``norm(x) @ dequantize(weight).T`` (tied output head, as Embedding's)."""
         return ops.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
-                                    group_size=self.group_size, bits=self.bits)
+                                    group_size=self.group_size, bits=self.bits,
+                                    norm=_norm_args(norm))
 
 
 class RMSNorm(nn.Module):

@@ -98,11 +98,16 @@ class Attention(nn.Module):
             self.qkv_proj = fused
 
     # Hot paths read children and arrays with self["name"] (see models/layers.py).
-    def __call__(self, x: mx.array, cache, positions: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, cache, positions: mx.array, *, norm=None,
+                 residual: mx.array | None = None) -> mx.array:
+        """``residual + o_proj(attention(norm(x)))``; ``norm`` (an RMSNorm)
+        and ``residual`` ride in the projections' primitives where they can."""
         qkv_proj = self.get("qkv_proj")
         if qkv_proj is not None:
-            q, k, v = self._fused_qkv(qkv_proj(x), positions)
+            q, k, v = self._fused_qkv(qkv_proj(x, norm=norm), positions)
         else:
+            if norm is not None:
+                x = norm(x)
             B, L, _ = x.shape
             q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
             k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -111,7 +116,7 @@ class Attention(nn.Module):
                 q = self.q_norm(q)
                 k = self.k_norm(k)
             q, k = self.rope(q, positions), self.rope(k, positions)
-        return self["o_proj"](cache.attend(self.layer, q, k, v, self.scale))
+        return self["o_proj"](cache.attend(self.layer, q, k, v, self.scale), residual=residual)
 
     def _fused_qkv(self, qkv: mx.array, positions: mx.array):
         rope = self["rope"]
@@ -143,11 +148,17 @@ class MLP(nn.Module):
             self.pop("up_proj")
             self.gate_up_proj = fused
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, *, norm=None, residual: mx.array | None = None) -> mx.array:
+        """``residual + down(silu(gate(norm(x))) * up(norm(x)))``; the norm, the
+        activation and the residual ride in the projections' primitives where
+        they can."""
         gate_up = self.get("gate_up_proj")
         if gate_up is not None:
-            return self["down_proj"](ops.silu_mul_halves(gate_up(x)))
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+            return self["down_proj"](gate_up(x, norm=norm), act="silu_mul_halves",
+                                     residual=residual)
+        if norm is not None:
+            x = norm(x)
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)), residual=residual)
 
 
 class Block(nn.Module):
@@ -159,8 +170,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache, positions: mx.array) -> mx.array:
-        h = x + self["self_attn"](self["input_layernorm"](x), cache, positions)
-        return h + self["mlp"](self["post_attention_layernorm"](h))
+        # h = x + attn(norm1(x)); out = h + mlp(norm2(h)), with each norm fused
+        # into the projection after it and each residual add into the one before.
+        h = self["self_attn"](x, cache, positions, norm=self["input_layernorm"], residual=x)
+        return self["mlp"](h, norm=self["post_attention_layernorm"], residual=h)
 
 
 class Body(nn.Module):
@@ -202,10 +215,10 @@ class Model(nn.Module):
             h = layer(h, cache, positions)
         if logit_rows is not None:
             h = h.reshape(-1, h.shape[-1])[logit_rows]
-        h = norm(h)
+        # The final norm runs inside the head's matmul (after the row gather).
         if self.args.tie_word_embeddings:
-            return embed.as_linear(h)
-        return self["lm_head"](h)
+            return embed.as_linear(h, norm=norm)
+        return self["lm_head"](h, norm=norm)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections (after the weights are loaded)."""
