@@ -130,6 +130,23 @@ inline void dense_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float
   }
 }
 
+// Prefetch `bytes` from byte offset `off` of p, a cache line at a time.
+inline void prefetch_bytes(const void* p, int64_t off, int64_t bytes) {
+  const char* c = static_cast<const char*>(p) + off;
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+// The GEMV converts a row block's scales and biases before its rows; those
+// are separate streams from the weights, so the next block's are prefetched
+// (demand misses on them were ~9% of decode samples).
+inline void prefetch_group_params(const Args& a, int64_t n1, int64_t rows, int64_t G) {
+  if (a.bits == 0 || n1 >= a.N) return;
+  const int64_t nn = a.N - n1 < rows ? a.N - n1 : rows;
+  const int64_t es = dtype_size(a.s_dtype);
+  prefetch_bytes(a.scales, n1 * G * es, nn * G * es);
+  prefetch_bytes(a.biases, n1 * G * es, nn * G * es);
+}
+
 constexpr size_t kKeepScratchFloats = size_t(16) << 20;  // 64 MiB
 
 template <class F>

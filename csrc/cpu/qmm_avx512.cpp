@@ -296,6 +296,7 @@ void gemv(const Args& a) {
       int64_t n1 = n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N;
       float* sc = sb;
       float* bi = sb + kGemvRowBlock * G;
+      prefetch_group_params(a, n1, kGemvRowBlock, G);
       if (!dense) {
         cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
         cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
