@@ -1,6 +1,6 @@
 """Single-stream decode and prefill: mlxfast against mlx-lm, same weights, one run.
 
-    .venv/bin/python bench/bench_generate.py [--decode 256] [--prefill 512 2048]
+    .venv/bin/python bench/bench_generate.py [--decode 256] [--prefill 512 2048] [--rounds 3]
 
 mlx-lm loads the default model converted by ``mlxfast convert``; both run on
 the same process and machine, and the ratio is what to read (these machines
@@ -11,6 +11,10 @@ installed.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -24,38 +28,42 @@ def _prompt_ids(tok, n: int) -> list[int]:
     return ids
 
 
-def bench_mlxfast(path, n_decode: int, prefills: list[int]) -> dict:
+def bench_mlxfast(path, n_decode: int, prefills: list[int]):
+    """Load once; return a function that measures one round."""
     import mlxfast
     from mlxfast.generation import stream_generate
     from mlxfast.kv import DenseKVCache
 
     model, tok = mlxfast.load(path)
-    out = {}
-    ids = _prompt_ids(tok, 32)
-    list(stream_generate(model, tok, ids, max_tokens=8))  # warm-up
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    for c in stream_generate(model, tok, ids, max_tokens=n_decode, temp=0.0):
-        n += 1
-        if first is None:
-            first = time.perf_counter()
-    # Decode rate excludes the prefill and the first token; EOS is ignored by
-    # the oracle's count too, so compare tokens/second only.
-    out["decode_tok_s"] = (n - 1) / (time.perf_counter() - first)
-    for p in prefills:
-        ids = _prompt_ids(tok, p)
-        cache = DenseKVCache(len(model.layers))
-        t0 = time.perf_counter()
-        pos = 0
-        while pos < p:
-            chunk = ids[pos:pos + 512]
-            logits = model(mx.array([chunk]), cache, logit_rows=mx.array([len(chunk) - 1]))
-            cache.advance(len(chunk))
-            mx.eval(logits, cache.state_arrays())
-            pos += len(chunk)
-        out[f"prefill_{p}_tok_s"] = p / (time.perf_counter() - t0)
-    return out
+    list(stream_generate(model, tok, _prompt_ids(tok, 32), max_tokens=8))  # warm-up
+
+    def run() -> dict:
+        out = {}
+        ids = _prompt_ids(tok, 32)
+        first = None
+        n = 0
+        for c in stream_generate(model, tok, ids, max_tokens=n_decode, temp=0.0):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        # Decode rate excludes the prefill and the first token; EOS is ignored by
+        # the oracle's count too, so compare tokens/second only.
+        out["decode_tok_s"] = (n - 1) / (time.perf_counter() - first)
+        for p in prefills:
+            ids = _prompt_ids(tok, p)
+            cache = DenseKVCache(len(model.layers))
+            t0 = time.perf_counter()
+            pos = 0
+            while pos < p:
+                chunk = ids[pos:pos + 512]
+                logits = model(mx.array([chunk]), cache, logit_rows=mx.array([len(chunk) - 1]))
+                cache.advance(len(chunk))
+                mx.eval(logits, cache.state_arrays())
+                pos += len(chunk)
+            out[f"prefill_{p}_tok_s"] = p / (time.perf_counter() - t0)
+        return out
+
+    return run
 
 
 def bench_mlx_lm(path, n_decode: int, prefills: list[int], max_prefill_oracle: int) -> dict:
@@ -88,7 +96,8 @@ def bench_mlx_lm(path, n_decode: int, prefills: list[int], max_prefill_oracle: i
     return out
 
 
-def bench_llama_cpp(gguf, n_decode: int, prefills: list[int]) -> dict | None:
+def bench_llama_cpp(gguf, n_decode: int, prefills: list[int]):
+    """Load once; return a function that measures one round (None without llama-cpp-python)."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -96,27 +105,31 @@ def bench_llama_cpp(gguf, n_decode: int, prefills: list[int]) -> dict | None:
     import os
 
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=os.cpu_count(), verbose=False, n_batch=512)
-    out = {}
-    ids = llm.tokenize(b"Item 0: the quick brown fox", add_bos=False)
-    llm.reset()
-    llm.eval(ids)
-    t0 = time.perf_counter()
-    n = 0
-    for tok in llm.generate(ids, temp=0.0, reset=True):
-        n += 1
-        if n == 1:
-            t0 = time.perf_counter()
-        if n >= n_decode:
-            break
-    out["decode_tok_s"] = (n - 1) / (time.perf_counter() - t0)
-    for p in prefills:
-        text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(p))
-        pids = llm.tokenize(text.encode(), add_bos=False)[:p]
+
+    def run() -> dict:
+        out = {}
+        ids = llm.tokenize(b"Item 0: the quick brown fox", add_bos=False)
         llm.reset()
+        llm.eval(ids)
         t0 = time.perf_counter()
-        llm.eval(pids)
-        out[f"prefill_{p}_tok_s"] = p / (time.perf_counter() - t0)
-    return out
+        n = 0
+        for tok in llm.generate(ids, temp=0.0, reset=True):
+            n += 1
+            if n == 1:
+                t0 = time.perf_counter()
+            if n >= n_decode:
+                break
+        out["decode_tok_s"] = (n - 1) / (time.perf_counter() - t0)
+        for p in prefills:
+            text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(p))
+            pids = llm.tokenize(text.encode(), add_bos=False)[:p]
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(pids)
+            out[f"prefill_{p}_tok_s"] = p / (time.perf_counter() - t0)
+        return out
+
+    return run
 
 
 def main() -> None:
@@ -125,6 +138,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[512, 2048])
     ap.add_argument("--oracle-max-prefill", type=int, default=512,
                     help="skip mlx-lm prefill above this length (it takes minutes)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds of mlxfast and llama.cpp (medians are reported)")
+    ap.add_argument("--one-round", choices=["mlxfast", "llama.cpp"], help=argparse.SUPPRESS)
     ap.add_argument("--no-mlx-lm", action="store_true",
                     help="only mlxfast and llama.cpp (mlx-lm takes minutes on Linux CPU)")
     args = ap.parse_args()
@@ -133,27 +149,44 @@ def main() -> None:
     from mlxfast.models.loader import default_model_path
 
     gguf = default_model_path()
-    rows = {"mlxfast": bench_mlxfast(None, args.decode, args.prefill)}
+    keys = ["decode_tok_s"] + [f"prefill_{p}_tok_s" for p in args.prefill]
+    if args.one_round:  # child: one engine, one round, JSON on the last line
+        run = (bench_mlxfast(None, args.decode, args.prefill) if args.one_round == "mlxfast"
+               else bench_llama_cpp(gguf, args.decode, args.prefill))
+        print(json.dumps(run() if run else None))
+        return
+    # Each round runs each engine in its own process (no thread pool of one
+    # spinning while the other runs), alternating, so that a slow minute of
+    # this shared machine lands on both; the ratio reported is the median of
+    # the per-round ratios.
+    rounds = {"mlxfast": [], "llama.cpp": []}
+    for _ in range(args.rounds):
+        for name in rounds:
+            cmd = [sys.executable, __file__, "--one-round", name, "--decode", str(args.decode),
+                   "--prefill", *map(str, args.prefill)]
+            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
+                             .stdout.strip().splitlines()[-1])
+            if res is not None:
+                rounds[name].append(res)
+    rounds = {name: rs for name, rs in rounds.items() if rs}
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in rounds.items()}
     if not args.no_mlx_lm:
         with tempfile.TemporaryDirectory() as d:
             convert_gguf(gguf, d)
             rows["mlx-lm"] = bench_mlx_lm(d, args.decode, args.prefill, args.oracle_max_prefill)
-    lc = bench_llama_cpp(gguf, args.decode, args.prefill)
-    if lc:
-        rows["llama.cpp"] = lc
 
-    keys = ["decode_tok_s"] + [f"prefill_{p}_tok_s" for p in args.prefill]
-    print(f"{'engine':<12}" + "".join(f"{k:>20}" for k in keys))
+    print(f"{'engine':<12}" + "".join(f"{k:>20}" for k in keys) + f"   (median of {args.rounds} rounds)")
     for name, r in rows.items():
         print(f"{name:<12}" + "".join(f"{r.get(k, float('nan')):>20.1f}" for k in keys))
-    for other in ("mlx-lm", "llama.cpp"):
-        if other in rows:
-            ratio = "".join(
-                f"{rows['mlxfast'][k] / rows[other][k]:>20.2f}" if k in rows[other] else f"{'-':>20}"
-                for k in keys
-            )
-            print(f"{'/ ' + other:<12}" + ratio)
-
+    if "mlx-lm" in rows:
+        ratio = "".join(f"{rows['mlxfast'][k] / rows['mlx-lm'][k]:>20.2f}" if k in rows["mlx-lm"]
+                        else f"{'-':>20}" for k in keys)
+        print(f"{'/ mlx-lm':<12}" + ratio)
+    if "llama.cpp" in rounds:
+        per = {k: [a[k] / b[k] for a, b in zip(rounds["mlxfast"], rounds["llama.cpp"])] for k in keys}
+        print(f"{'/ llama.cpp':<12}" + "".join(f"{statistics.median(per[k]):>20.2f}" for k in keys))
+        print("per-round decode ratio vs llama.cpp: "
+              + ", ".join(f"{v:.2f}" for v in per["decode_tok_s"]))
 
 if __name__ == "__main__":
     main()
