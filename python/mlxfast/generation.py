@@ -89,7 +89,9 @@ def stream_generate(
     cache.advance(len(chunk))
 
     for n in range(max_tokens):
-        key, sub = mx.random.split(key)
+        sub = None
+        if temp > 0:  # greedy needs no key (a split is graph nodes every step)
+            key, sub = mx.random.split(key)
         token = sample_token(logits[0], temp, top_p, top_k, sub)
         mx.async_eval(token)
         if n < max_tokens - 1:
