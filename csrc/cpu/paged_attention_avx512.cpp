@@ -61,44 +61,6 @@ inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const
   }
 }
 
-// acc rows r0 .. r0+RG-1 ([R][DV] in memory) = alpha * acc + P^T V over nk
-// keys, with P[key i][row r] at S[i * si + r * sr].
-template <int DV, int RG>
-inline void pv_rows(const Args& a, const char* vbase, int64_t vrow, int64_t slot0, int nk,
-                    const float* S, int64_t si, int64_t sr, int r0, const float* alpha,
-                    float* acc) {
-  constexpr int NV = DV / 16;
-  __m512 o[RG][NV];
-  for (int r = 0; r < RG; ++r) {
-    const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
-    for (int v = 0; v < NV; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_load_ps(acc + (r0 + r) * DV + v * 16));
-  }
-  const int es = a.kv_dtype == F32 ? 4 : 2;
-  for (int i = 0; i < nk; ++i) {
-    const char* vp = vbase + (slot0 + i) * vrow;
-    __m512 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, a.kv_dtype);
-    for (int r = 0; r < RG; ++r) {
-      const __m512 p = _mm512_set1_ps(S[i * si + (r0 + r) * sr]);
-      for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(p, vv[v], o[r][v]);
-    }
-  }
-  for (int r = 0; r < RG; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + r) * DV + v * 16, o[r][v]);
-}
-
-template <int DV, int RG>
-inline void pv_tail(const Args& a, const char* vbase, int64_t vrow, int64_t slot0, int nk,
-                    const float* S, int64_t si, int64_t sr, int r0, int rg, const float* alpha,
-                    float* acc) {
-  if constexpr (RG > 1) {
-    if (rg < RG) {
-      return pv_tail<DV, RG - 1>(a, vbase, vrow, slot0, nk, S, si, sr, r0, rg, alpha, acc);
-    }
-  }
-  pv_rows<DV, RG>(a, vbase, vrow, slot0, nk, S, si, sr, r0, alpha, acc);
-}
-
 // Lane k of the result = sum of the 16 lanes of v[k].
 inline __m512 reduce16x16(__m512 v[16]) {
   __m512 t[8], u[4], z[2];
@@ -125,15 +87,18 @@ struct SpanSeg {
   int nk, off;
 };
 
-// acc rows r0 .. r0+RG-1 = alpha * acc + P^T V over the keys of every segment
-// of a span (P[row r][key] at S[r * sr + seg.off + i]); the rows' outputs
-// stay in registers across the span's blocks.
+// acc rows r0 .. r0+RG-1 ([R][DV] in memory) = alpha * acc + P^T V over the
+// keys of every segment, P[key i of a segment][row r] at
+// S[(seg.off + i) * si + r * sr]; the rows' outputs stay in registers across
+// the segments (a decode span's blocks, or a prefill tile's one block).
 template <int DV, int RG>
 inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSeg* segs,
-                    int nseg, const float* S, int64_t sr, int r0, int rg, const float* alpha,
-                    float* acc) {
+                    int nseg, const float* S, int64_t si, int64_t sr, int r0, int rg,
+                    const float* alpha, float* acc) {
   if constexpr (RG > 1) {
-    if (rg < RG) return pv_span<DV, RG - 1>(a, vbase, vrow, segs, nseg, S, sr, r0, rg, alpha, acc);
+    if (rg < RG) {
+      return pv_span<DV, RG - 1>(a, vbase, vrow, segs, nseg, S, si, sr, r0, rg, alpha, acc);
+    }
   }
   constexpr int NV = DV / 16;
   __m512 o[RG][NV];
@@ -149,7 +114,7 @@ inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSe
       __m512 vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, a.kv_dtype);
       for (int r = 0; r < RG; ++r) {
-        const __m512 p = _mm512_set1_ps(S[(r0 + r) * sr + seg.off + i]);
+        const __m512 p = _mm512_set1_ps(S[(seg.off + i) * si + (r0 + r) * sr]);
         for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(p, vv[v], o[r][v]);
       }
     }
@@ -290,7 +255,7 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
       }
       for (int r0 = 0; r0 < R; r0 += RG) {
         const int rg = R - r0 < RG ? R - r0 : RG;
-        pv_span<D, RG>(a, vbase, vrow, segs, nseg, St, spanp, r0, rg, alpha, acc);
+        pv_span<D, RG>(a, vbase, vrow, segs, nseg, St, 1, spanp, r0, rg, alpha, acc);
       }
     }
   }
@@ -393,9 +358,10 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
         _mm512_store_ps(m + c * 16, m_new);
         _mm512_store_ps(alpha + c * 16, al);
       }
+      const SpanSeg seg{blk * bs, nk, 0};
       for (int r0 = 0; r0 < R; r0 += RG) {
         const int rg = R - r0 < RG ? R - r0 : RG;
-        pv_tail<DV, RG>(a, vbase, vrow, blk * bs, nk, S, Rp, 1, r0, rg, alpha, acc);
+        pv_span<DV, RG>(a, vbase, vrow, &seg, 1, S, Rp, 1, r0, rg, alpha, acc);
       }
     }
   }
