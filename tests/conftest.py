@@ -4,6 +4,8 @@
   default model on a free loopback port, started once per session.
 * ``fake_client``: the app over a scripted in-test engine (route-layer tests:
   fixed model outputs through the real routes and parsers).
+* ``path``: each native CPU path this machine can execute (capability, not
+  skip-to-green), forced for the test (the kernel tests).
 """
 
 from __future__ import annotations
@@ -22,8 +24,20 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxfast import ops
+
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
+CPU_PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
+
+
+@pytest.fixture(params=CPU_PATHS)
+def path(request):
+    ops.set_cpu_path(request.param)
+    try:
+        yield request.param
+    finally:
+        ops.set_cpu_path("")
 
 
 def free_port() -> int:

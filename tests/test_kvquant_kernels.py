@@ -10,7 +10,6 @@ import pytest
 from mlxfast import ops
 from mlxfast.ops_kvquant import KVQuantFormat, rotation_signs
 
-PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
 FORMATS = [KVQuantFormat(64, 8, 8, 64, False), KVQuantFormat(64, 4, 4, 64, False),
            KVQuantFormat(64, 8, 8, 32, False), KVQuantFormat(64, 4, 4, 32, False),
            KVQuantFormat(64, 8, 3, 64, True), KVQuantFormat(64, 8, 4, 64, True),
@@ -18,12 +17,6 @@ FORMATS = [KVQuantFormat(64, 8, 8, 64, False), KVQuantFormat(64, 4, 4, 64, False
            KVQuantFormat(128, 8, 3, 64, True), KVQuantFormat(32, 4, 4, 32, False),
            KVQuantFormat(16, 8, 2, 16, True), KVQuantFormat(24, 8, 8, 8, False)]
 
-
-@pytest.fixture(params=PATHS)
-def path(request):
-    ops.set_cpu_path(request.param)
-    yield request.param
-    ops.set_cpu_path("")
 
 
 def fid(f):

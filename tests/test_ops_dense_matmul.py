@@ -14,18 +14,9 @@ import pytest
 from mlxfast import ops
 from mlxfast.models.layers import Embedding, Linear
 
-PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
 TOL = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
-
-@pytest.fixture(params=PATHS)
-def path(request):
-    ops.set_cpu_path(request.param)
-    try:
-        yield request.param
-    finally:
-        ops.set_cpu_path("")
 
 
 def check(x, w):

@@ -36,7 +36,6 @@ import pytest
 
 from mlxfast import ops
 
-PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 TOL = {mx.float32: 5e-6, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 REF_TOL = {mx.float32: 5e-6, mx.float16: 1e-2, mx.bfloat16: 6e-2}
@@ -45,14 +44,6 @@ KINDS = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128), (0, 0)]
 EPS = 1e-5
 VARIANTS = ["norm", "act", "residual", "norm+residual", "act+residual"]
 
-
-@pytest.fixture(params=PATHS)
-def path(request):
-    ops.set_cpu_path(request.param)
-    try:
-        yield request.param
-    finally:
-        ops.set_cpu_path("")
 
 
 class Proj:

@@ -25,14 +25,6 @@ PATHS = [p for p in ALL_PATHS if ops.cpu_supports(p)]
 TOL = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
 
 
-@pytest.fixture(params=PATHS)
-def path(request):
-    ops.set_cpu_path(request.param)
-    try:
-        yield request.param
-    finally:
-        ops.set_cpu_path("")
-
 
 def test_portable_path_is_always_available():
     assert "portable" in PATHS

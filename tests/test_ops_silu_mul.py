@@ -5,16 +5,7 @@ from mlxfast import ops
 
 TOL = {mx.float32: 1e-6, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 # Capability, not skip-to-green: every path this CPU can execute, forced in turn.
-PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
 
-
-@pytest.fixture(params=PATHS)
-def path(request):
-    ops.set_cpu_path(request.param)
-    try:
-        yield request.param
-    finally:
-        ops.set_cpu_path("")
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
