@@ -2,7 +2,7 @@
 long prompt cold vs prefix-cached, from one run on one engine.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--tokens 128]
-        [--prompt-tokens 2000] [--concurrency 1,4,8,16] [--block-sizes]
+        [--prompt-tokens 2000] [--concurrency 1,4,8,16] [--rounds 3] [--block-sizes]
 
 Targets: 8 streams >= 4x the single-stream aggregate; a cached-prefix first
 token >= 20x sooner than cold. ``--block-sizes`` adds a micro-benchmark of the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import time
 
 import mlx.core as mx
@@ -95,6 +96,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-sizes", action="store_true")
     ap.add_argument("--kv-dtype", default=None, help="float32 | float16 | bfloat16 (default: the model's)")
     args = ap.parse_args()
@@ -109,15 +111,20 @@ def main():
         print(f"model {model.args.model_type} layers={model.args.num_hidden_layers} "
               f"hidden={model.args.hidden_size}; block_size={engine.block_size}, "
               f"blocks={engine.num_blocks}, cpu path {mlxfast.ops.cpu_path()}")
-        rows = []
+        # Rounds over all levels, so that a slow minute of this shared machine
+        # lands on every level; "x single" is the median over rounds of each
+        # round's ratio to that round's single-stream figure.
+        runs = {c: [] for c in levels}
+        for _ in range(args.rounds):
+            for c in levels:
+                prompts = [[rng.randrange(100, vocab) for _ in range(16 + i)] for i in range(c)]
+                runs[c].append(decode_throughput(engine, prompts, args.tokens))
+        base = runs[levels[0]]
+        print(f"\n{'streams':>8} {'decode tok/s':>13} {'x single':>9}   (medians of {args.rounds} rounds)")
         for c in levels:
-            prompts = [[rng.randrange(100, vocab) for _ in range(16 + i)] for i in range(c)]
-            tps = decode_throughput(engine, prompts, args.tokens)
-            rows.append((c, tps))
-        base = rows[0][1]
-        print(f"\n{'streams':>8} {'decode tok/s':>13} {'x single':>9}")
-        for c, tps in rows:
-            print(f"{c:>8} {tps:>13.1f} {tps / base:>9.2f}")
+            ratio = statistics.median(t / b for t, b in zip(runs[c], base))
+            print(f"{c:>8} {statistics.median(runs[c]):>13.1f} {ratio:>9.2f}   "
+                  f"per round: {', '.join(f'{t:.0f}' for t in runs[c])}")
 
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
         cold = ttft(engine, prompt, salt="cold")
