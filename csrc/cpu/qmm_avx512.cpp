@@ -264,7 +264,8 @@ void gemv(const Args& a) {
   // [K / 32][mm][32] (4 bits: each chunk permuted to even then odd values),
   // so that the tile addresses every activation vector of a chunk as one
   // pointer plus a constant: indexed (base + index) memory operands of the
-  // FMAs are split into two uops on Intel cores, which cost ~25% at 8 rows.
+  // FMAs are split into two uops on Intel cores (8 rows of 3072 x 576,
+  // single thread: ~2.0 -> 2.05-2.2 G FMA/s, near this machine's noise).
   float* xp = tl_x.get(static_cast<size_t>(M * K + (dense ? 0 : K)));
   if (dense) {
     for (int64_t m = 0; m < M; ++m) cvt_row(a.x, a.x_dtype, m * K, K, xp + m * K);
