@@ -249,3 +249,33 @@ def test_native_long_decode_every_block_size(path, bs, D):
         np.testing.assert_allclose(np.array(got), np.array(ref), atol=TOL[dtype], rtol=TOL[dtype])
     finally:
         ops.set_cpu_path("")
+
+
+@native
+@pytest.mark.parametrize("path", [p for p in ("portable", "avx2", "avx512") if ops.cpu_supports(p)])
+@pytest.mark.parametrize("bs,n_ctx", [(16, 1024), (16, 1500), (256, 3000), (1, 1100), (512, 2000)])
+@pytest.mark.parametrize("Hq,Hkv,D,dtype", [(9, 3, 64, mx.float32), (8, 2, 128, mx.float16)])
+def test_native_single_row_long_context(path, bs, n_ctx, Hq, Hkv, D, dtype):
+    """One decode row over a long context: AVX-512 splits each kv head's
+    blocks across the pool (flash-decoding) and merges the partial softmax
+    states; every path against the reference, with a block left unused at the
+    end of the table and keys beyond the row's position that must be ignored."""
+    ops.set_cpu_path(path)
+    try:
+        rng = random.Random(bs + n_ctx + D)
+        mx.random.seed(n_ctx)
+        nb = -(-(n_ctx + 5) // bs) + 1
+        perm = list(range(nb + 3))
+        rng.shuffle(perm)
+        seqs = [SeqSlice(perm[:nb], n_ctx - 1, 1)]
+        kp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
+        vp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
+        q = (mx.random.normal((1, Hq, D)) * 2).astype(dtype)
+        tables, seq_idx, positions = flat_meta(seqs)
+        args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
+        got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
+        ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)),
+                                   atol=TOL[dtype], rtol=TOL[dtype])
+    finally:
+        ops.set_cpu_path("")

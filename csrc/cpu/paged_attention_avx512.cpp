@@ -131,8 +131,12 @@ inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSe
 // the max/exp/sum reductions and the accumulator rescale as on the keys.
 constexpr int kDecodeSpan = 256;
 
+// Blocks [b_begin, b_end) of the context (b_end < 0: to its end). With
+// `part`, the unnormalised state is stored there, [R][D] acc then m [R] and
+// l [R], for split_decode to merge; otherwise the rows are written out.
 template <int D>
-void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
+void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin = 0,
+                 int64_t b_end = -1, float* part = nullptr) {
   constexpr int NV = D / 16;
   constexpr int RG = D == 64 ? 6 : 3;
   const int G = a.Hq / a.Hkv, bs = a.bs;
@@ -180,13 +184,14 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
     const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * D * kes;
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t b0 = 0; b0 < nblk; b0 += span_blocks) {
-      const int64_t b1 = b0 + span_blocks < nblk ? b0 + span_blocks : nblk;
+    const int64_t be = b_end < 0 || b_end > nblk ? nblk : b_end;
+    for (int64_t b0 = b_begin; b0 < be; b0 += span_blocks) {
+      const int64_t b1 = b0 + span_blocks < be ? b0 + span_blocks : be;
       int nseg = 0, n = 0;  // n: scores in the span so far
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t blk = table[b];
         if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
-        if (b + 1 < nblk) {
+        if (b + 1 < be) {
           const int64_t nxt = table[b + 1];
           if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
             prefetch_rows(kbase, nxt * bs * krow, bs, krow, D * static_cast<int>(kes));
@@ -259,7 +264,13 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh) {
       }
     }
   }
-  write_rows(a, t0, kh, R, acc, l);
+  if (part == nullptr) {
+    write_rows(a, t0, kh, R, acc, l);
+    return;
+  }
+  std::memcpy(part, acc, sizeof(float) * R * D);
+  std::memcpy(part + R * D, m, sizeof(float) * R);
+  std::memcpy(part + R * D + R, l, sizeof(float) * R);
 }
 
 template <int D>
@@ -368,6 +379,75 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
   write_rows(a, t0, kh, R, acc, l);
 }
 
+// One decode row over a long context: its kv heads alone are too few work
+// items for the pool (3 heads on 2 threads leave one idle a third of the
+// time), so each head's blocks are split into ranges of whole spans, run in
+// parallel, and the partial softmax states merged (flash-decoding).
+constexpr int64_t kSplitMinKeys = 1024;
+constexpr int kSplitItems = 8;
+thread_local Scratch tl_part;
+
+struct SplitCtx {
+  const Args* a;
+  int64_t blocks_per_split;
+  int splits, R;
+  float* parts;  // [Hkv][splits][R * D + 2R]
+};
+
+template <int D>
+void split_range(void* vctx, int64_t i0, int64_t i1) {
+  const SplitCtx& c = *static_cast<const SplitCtx*>(vctx);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int kh = static_cast<int>(i / c.splits), sp = static_cast<int>(i % c.splits);
+    decode_tile<D>(*c.a, 0, 1, kh, sp * c.blocks_per_split, (sp + 1) * c.blocks_per_split,
+                   c.parts + i * (c.R * D + 2 * c.R));
+  }
+}
+
+template <int D>
+bool split_decode(const Args& a) {
+  const int G = a.Hq / a.Hkv, bs = a.bs;
+  if (a.T != 1 || G >= 16 || a.Hkv >= kSplitItems) return false;
+  const int32_t s = a.seq_idx[0];
+  if (s < 0 || s >= a.S) return false;
+  int64_t p = a.pos[0];
+  if (p > a.B * bs - 1) p = a.B * bs - 1;
+  const int64_t n_keys = p + 1;
+  if (n_keys < kSplitMinKeys) return false;
+  const int64_t span_blocks = bs >= kDecodeSpan ? 1 : kDecodeSpan / bs;
+  const int64_t spans = ((n_keys + bs - 1) / bs + span_blocks - 1) / span_blocks;
+  int splits = (kSplitItems + a.Hkv - 1) / a.Hkv;
+  if (splits > spans) splits = static_cast<int>(spans);
+  const int R = G, stride = R * D + 2 * R;
+  SplitCtx c{&a, (spans + splits - 1) / splits * span_blocks, splits, R,
+             tl_part.get(static_cast<size_t>(a.Hkv) * splits * stride)};
+  parallel(static_cast<int64_t>(a.Hkv) * splits, 1, &split_range<D>, &c);
+  float acc[16 * 128], l[16];
+  for (int kh = 0; kh < a.Hkv; ++kh) {
+    const float* pk = c.parts + static_cast<int64_t>(kh) * splits * stride;
+    for (int r = 0; r < R; ++r) {
+      float mx = -INFINITY;
+      for (int sp = 0; sp < splits; ++sp) {
+        const float ms = pk[sp * stride + R * D + r];
+        mx = ms > mx ? ms : mx;
+      }
+      l[r] = 0.f;
+      std::memset(acc + r * D, 0, sizeof(float) * D);
+      if (mx == -INFINITY) continue;
+      for (int sp = 0; sp < splits; ++sp) {
+        const float* ps = pk + sp * stride;
+        const float ms = ps[R * D + r];
+        if (ms == -INFINITY) continue;
+        const float w = std::exp(ms - mx);
+        l[r] += w * ps[R * D + R + r];
+        for (int d = 0; d < D; ++d) acc[r * D + d] += w * ps[r * D + d];
+      }
+    }
+    write_rows(a, 0, kh, R, acc, l);
+  }
+  return true;
+}
+
 bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
   if (a.D != a.Dv || (a.D != 64 && a.D != 128)) return false;
   const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
@@ -381,7 +461,12 @@ bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
 
 }  // namespace
 
-void run_avx512(const Args& a) { Kernel<16>::run(a, &fast_item); }
+void run_avx512(const Args& a) {
+  if (a.D == a.Dv && ((a.D == 64 && split_decode<64>(a)) || (a.D == 128 && split_decode<128>(a)))) {
+    return;
+  }
+  Kernel<16>::run(a, &fast_item);
+}
 
 }  // namespace pa
 }  // namespace mlxfast
