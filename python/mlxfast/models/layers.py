@@ -43,8 +43,7 @@ class Linear(nn.Module):
     def __call__(self, x: mx.array, *, norm=None, act: str | None = None,
                  residual: mx.array | None = None) -> mx.array:
         w = self["weight"]
-        if norm is not None:
-            norm = (norm["weight"], norm.eps)
+        norm = _norm_args(norm)
         bias = self.get("bias")
         if residual is not None and (
                 bias is not None or residual.dtype != mx.result_type(_prologue_dtype(x, norm), w)):
@@ -74,8 +73,7 @@ class QuantizedLinear(nn.Module):
 
     def __call__(self, x: mx.array, *, norm=None, act: str | None = None,
                  residual: mx.array | None = None) -> mx.array:
-        if norm is not None:
-            norm = (norm["weight"], norm.eps)
+        norm = _norm_args(norm)
         w, scales, biases = self["weight"], self["scales"], self["biases"]
         bias = self.get("bias")
         if residual is not None and (bias is not None or residual.dtype != _prologue_dtype(x, norm)):
@@ -97,6 +95,7 @@ def _add_bias(y: mx.array, bias) -> mx.array:
 
 
 def _norm_args(norm):
+    """An RMSNorm module as the ops' ``norm=(weight, eps)``."""
     return None if norm is None else (norm["weight"], norm.eps)
 
 
