@@ -178,12 +178,6 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
   if constexpr (BITS == 0) {
     for (; n + R <= n1; n += R) gemv_tile_dense<MM, R>(c, m0, n, yb + (n - n0));
     for (; n < n1; ++n) gemv_tile_dense<MM, 1>(c, m0, n, yb + (n - n0));
-    for (int m = 0; m < MM; ++m) {
-      for (int64_t r = 0; r < n1 - n0; ++r) {
-        store_f32(c.a->out, c.a->x_dtype, (m0 + m) * c.a->N + n0 + r, yb[m * kGemvRowBlock + r]);
-      }
-    }
-    return;
   } else {
     for (; n + R <= n1; n += R) {
       gemv_tile<BITS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
@@ -191,10 +185,10 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
     for (; n < n1; ++n) {
       gemv_tile<BITS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
     }
-    for (int m = 0; m < MM; ++m) {
-      for (int64_t r = 0; r < n1 - n0; ++r) {
-        store_f32(c.a->out, c.a->x_dtype, (m0 + m) * c.a->N + n0 + r, yb[m * kGemvRowBlock + r]);
-      }
+  }
+  for (int m = 0; m < MM; ++m) {
+    for (int64_t r = 0; r < n1 - n0; ++r) {
+      store_f32(c.a->out, c.a->x_dtype, (m0 + m) * c.a->N + n0 + r, yb[m * kGemvRowBlock + r]);
     }
   }
 }
