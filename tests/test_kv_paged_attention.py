@@ -105,6 +105,17 @@ def test_paged_gather_reference():
     np.testing.assert_array_equal(np.array(got[1, 4:]), np.array(kp[28:32]))
 
 
+def assert_native_matches_reference(seqs, q, kp, vp, bs, dtype):
+    """The native paged attention over these sequences equals the reference."""
+    D = q.shape[-1]
+    tables, seq_idx, positions = flat_meta(seqs)
+    args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
+    got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
+    ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
 native = pytest.mark.skipif(not ops.has_native_paged_attention(), reason="no native paged attention")
 
 
@@ -205,12 +216,7 @@ def test_native_prefill_chunks_every_path(path, dtype, Hq, Hkv, D):
         kp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
         vp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
         q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
-        tables, seq_idx, positions = flat_meta(seqs)
-        args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
-        got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
-        ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)),
-                                   atol=TOL[dtype], rtol=TOL[dtype])
+        assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
     finally:
         ops.set_cpu_path("")
 
@@ -242,11 +248,7 @@ def test_native_long_decode_every_block_size(path, bs, D):
         kp = mx.random.normal((slots, Hkv, D)).astype(dtype)
         vp = mx.random.normal((slots, Hkv, D)).astype(dtype)
         q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
-        tables, seq_idx, positions = flat_meta(seqs)
-        args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
-        got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
-        ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
-        np.testing.assert_allclose(np.array(got), np.array(ref), atol=TOL[dtype], rtol=TOL[dtype])
+        assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
     finally:
         ops.set_cpu_path("")
 
@@ -271,11 +273,6 @@ def test_native_single_row_long_context(path, bs, n_ctx, Hq, Hkv, D, dtype):
         kp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
         vp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
         q = (mx.random.normal((1, Hq, D)) * 2).astype(dtype)
-        tables, seq_idx, positions = flat_meta(seqs)
-        args = (q, kp, vp, mx.array(tables), mx.array(seq_idx), mx.array(positions))
-        got = ops.paged_attention(*args, scale=D ** -0.5, block_size=bs)
-        ref = ops.paged_attention_reference(*args, scale=D ** -0.5, block_size=bs)
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)),
-                                   atol=TOL[dtype], rtol=TOL[dtype])
+        assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
     finally:
         ops.set_cpu_path("")
