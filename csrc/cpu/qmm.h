@@ -48,10 +48,10 @@ inline int dtype_size(DType dt) { return dt == F32 ? 4 : 2; }
 // Rows up to which the GEMV (weight-streaming) path is used; above it the
 // blocked GEMM path dequantizes weight panels once and reuses them. A GEMV
 // of 9-16 rows runs two register blocks over each L1-resident row block.
-// The default model's GEMV shapes for one step, interleaved runs on this
-// machine (AVX-512): GEMV vs GEMM 12 rows 31 vs 34.5 ms, 16 rows 36-46 vs
-// 43-54 ms; even at 24 rows, GEMM ahead from 32 (AVX2 forced: GEMV at 16
-// rows equal or ahead).
+// The default model's matmul shapes for one step, interleaved runs on this
+// machine (AVX-512), GEMV vs GEMM: 12 rows 31 vs 34.5 ms, 16 rows 36-46 vs
+// 43-54 ms, 24 rows even, GEMM ahead from 32 rows. Forced AVX2: GEMV equal
+// or ahead at 16 rows.
 constexpr int64_t kGemvMaxRows = 16;
 
 // GEMV software-prefetch distance, in weight rows ahead of the row being
