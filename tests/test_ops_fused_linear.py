@@ -443,3 +443,23 @@ def test_linear_layers_take_fused_pieces(quantized, bias):
     assert got.dtype == mx.float32 and mx.array_equal(got, r32 + lin(x)).item()
     if not bias:
         assert _primitives(lin(x, norm=norm, residual=r))[-1].startswith("Mlxfast")
+
+
+def test_back_to_back_pool_jobs_run_every_task_once():
+    """The residual epilogue adds in place, split over the thread pool: a task
+    run twice (or skipped) by a worker racing from one job into the next would
+    show as a doubled (or missing) residual. Hundreds of short jobs back to
+    back, each checked exactly against the same matmul plus the residual."""
+    w = mx.random.normal((4096, 64), key=mx.random.key(3))
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    x = mx.random.normal((8, 64), key=mx.random.key(4))
+    plain = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4)
+    mx.eval(wq, s, b, x, plain)
+    outs, want = [], []
+    for i in range(300):
+        r = mx.full(plain.shape, float(i))
+        outs.append(ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4, residual=r))
+        want.append(r + plain)
+    mx.eval(outs, want)
+    for i, (got, exp) in enumerate(zip(outs, want)):
+        assert mx.array_equal(got, exp).item(), i
