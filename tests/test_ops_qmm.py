@@ -325,3 +325,25 @@ def test_env_var_forces_path():
         assert out.returncode == 0, out.stderr
         got_path, err = out.stdout.split()
         assert got_path == name and float(err) < 1e-4
+
+
+@pytest.mark.parametrize("kind", [(4, 32), (4, 128), (8, 64), (0, 0)], ids=str)
+def test_gemv_rows_do_not_depend_on_their_batch(path, kind):
+    """A row's output is bit-identical alone and among up to kGemvMaxRows
+    others (the engine's "batching changes nothing" rests on it): every GEMV
+    tile shape accumulates and reduces each (weight row, activation row) pair
+    in the same order. N = 37 leaves odd tails of weight rows."""
+    bits, gs = kind
+    N, K = 37, 256
+    x = mx.random.normal((16, K), key=mx.random.key(7))
+    if bits:
+        wq, s, b = make_weights(N, K, gs, bits, mx.float16)
+        run = lambda v: ops.quantized_matmul(v, wq, s, b, group_size=gs, bits=bits)  # noqa: E731
+    else:
+        w = mx.random.normal((N, K), key=mx.random.key(8))
+        run = lambda v: ops.dense_matmul(v, w)  # noqa: E731
+    alone = [run(x[i:i + 1]) for i in range(16)]
+    for M in range(2, 17):
+        got = run(x[:M])
+        for i in range(M):
+            assert mx.array_equal(got[i:i + 1], alone[i]).item(), (M, i)
