@@ -243,8 +243,20 @@ def test_thousand_random_requests_no_leaks(model):
 
 
 def test_kv_cache_dtype_flag(model):
-    """``--kv-cache-dtype`` (vLLM's name) sets the dense pool's dtype; auto keeps the model's."""
+    """``--kv-cache-dtype`` (vLLM's name) sets the dense pool's dtype; auto keeps the
+    model's, but a float32 model gets float16 KV (llama.cpp's default f16 cache)."""
+    from mlxfast.kv.block_pool import default_kv_dtype
     from mlxfast.serve import _engine_config, build_parser
+
+    assert default_kv_dtype(mx.float32) == mx.float16
+    assert default_kv_dtype(mx.bfloat16) == mx.bfloat16
+    assert default_kv_dtype(mx.float16) == mx.float16
+    for name, want in ((None, default_kv_dtype(model.dtype)), ("float32", mx.float32)):
+        eng = engine(model, kv_dtype=name)
+        try:
+            assert {a.dtype for a in eng.pool.arrays()} == {want}, name
+        finally:
+            eng.shutdown()
 
     assert _engine_config(build_parser().parse_args([])).kv_dtype is None
     cfg = _engine_config(build_parser().parse_args(["--kv-cache-dtype", "float16"]))

@@ -121,7 +121,7 @@ def test_write_behind_and_demotion(model, tmp_path):
 def test_byte_cap_enforced(model, tmp_path):
     per_file = 4096 + 2 * 2 * BS * 2 * 16 * 4  # header + K,V of 2 layers (fp32, 2 kv heads, dim 16)
     cap_gb = 10 * per_file / (1 << 30)
-    e = engine(model, ssd_cache_dir=str(tmp_path), ssd_cache_max_gb=cap_gb)
+    e = engine(model, ssd_cache_dir=str(tmp_path), ssd_cache_max_gb=cap_gb, kv_dtype="float32")
     try:
         assert e.ssd.block_bytes == per_file
         for seed in range(3):

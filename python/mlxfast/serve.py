@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="dtype of dense KV blocks (auto = the model's activation dtype)")
+                   help="dtype of dense KV blocks (auto = the model's activation dtype, float16 for float32 models)")
     p.add_argument("--kv-quant", default=None, help="KV cache scheme: off | 8 | 4 | turbo | turbo:k8v3 (EngineConfig.kv_quant)")
     p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens when a request omits it")
     p.add_argument("--temp", type=float, default=None, help="default temperature when a request omits it")

@@ -15,7 +15,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (see docs/engine notes in kv/block_pool.py)
     num_blocks: int | None = None  # overrides kv_cache_gb when set
     kv_cache_gb: float = 1.0  # pool size (K + V, all layers)
-    kv_dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = model dtype
+    kv_dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = kv.block_pool.default_kv_dtype
     # KV scheme: "off" (dense kv_dtype) | "8" | "4" (affine groups) | "turbo" (= "turbo:k8v3")
     # | "turbo:k<4|8>v<2|3|4>" (TurboQuant values); see kv/schemes.py
     kv_quant: str = "off"

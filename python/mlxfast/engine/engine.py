@@ -22,7 +22,7 @@ import time
 import traceback
 from collections import deque
 
-from ..kv.block_pool import BlockAllocator, KVPool, kv_dtype
+from ..kv.block_pool import BlockAllocator, KVPool, default_kv_dtype, kv_dtype
 from ..kv.schemes import parse_kv_quant
 from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent
 from .config import EngineConfig
@@ -122,6 +122,9 @@ class Engine:
         self.block_size = bs = cfg.block_size
         self.kv_spec = parse_kv_quant(cfg.kv_quant, head_dim=args.head_dim, dtype=self.kv_dtype,
                                       group_size=cfg.kv_group_size)
+        if cfg.kv_dtype is None and self.kv_spec.kind == "dense":  # auto: see default_kv_dtype
+            self.kv_dtype = default_kv_dtype(model.dtype)
+            self.kv_spec = parse_kv_quant(cfg.kv_quant, head_dim=args.head_dim, dtype=self.kv_dtype)
         self.kv_bytes_per_token = self.kv_spec.bytes_per_token(args.num_hidden_layers,
                                                                args.num_key_value_heads)
         per_block = bs * self.kv_bytes_per_token

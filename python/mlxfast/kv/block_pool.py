@@ -189,6 +189,19 @@ def kv_dtype(name_or_dtype):
         raise ValueError(f"unsupported KV dtype {name_or_dtype!r} (float32, float16, bfloat16)") from None
 
 
+def default_kv_dtype(model_dtype):
+    """The dense KV dtype for ``auto`` (quantized schemes keep the model's
+    dtype for their dequantized output): the model's activation dtype, but
+    float16 for models computed in float32 (GGUF weights on the CPU). Two
+    bytes per value is what llama.cpp's default f16 cache and a bf16/fp16
+    model's own dtype give; decode attention reads every cached byte each
+    step, so float32 KV halved 8-stream decode at long contexts for no
+    change in greedy tokens on the default model (see the engine tests)."""
+    import mlx.core as mx
+
+    return mx.float16 if model_dtype == mx.float32 else model_dtype
+
+
 class KVPool:
     """Per-layer block storage in MLX arrays, in the format of a KV scheme.
 
