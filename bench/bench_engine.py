@@ -98,7 +98,7 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-sizes", action="store_true")
-    ap.add_argument("--kv-dtype", default=None, help="float32 | float16 | bfloat16 (default: the model's)")
+    ap.add_argument("--kv-dtype", default=None, help="float32 | float16 | bfloat16 (default: auto, kv.block_pool.default_kv_dtype)")
     args = ap.parse_args()
 
     model, tok = mlxfast.load(args.model)
