@@ -50,7 +50,14 @@ inline __m512 load_cvt(const void* p, DType dt, int64_t i, __mmask16 m) {
 }
 
 inline void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; i += 16) {
+  int64_t i = 0;
+  if (dt == F16) {
+    const uint16_t* h = static_cast<const uint16_t*>(src) + off;
+    for (; i + 16 <= n; i += 16) {
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+    }
+  }
+  for (; i < n; i += 16) {
     __mmask16 m = tail_mask(n - i);
     _mm512_mask_storeu_ps(dst + i, m, load_cvt(src, dt, off + i, m));
   }
