@@ -88,9 +88,10 @@ inline void store_cvt(void* p, DType dt, int64_t i, __m512 v, __mmask16 m) {
   }
 }
 
-// Keeps two loaded vectors in registers: left alone, GCC folds the load into
+// Keeps loaded vectors in registers: left alone, GCC folds the load into
 // every FMA that reads it (one load per weight row), and loads, not FMAs,
-// then bound the GEMV (2.8 vs 3.7 G FMA/s per core, two weight rows).
+// then bound the GEMV (a standalone copy of the 8-row loop, two weight rows,
+// L1-resident: 2.8 vs 3.3-3.7 G FMA/s per core).
 inline void in_register(__m512& a) { asm("" : "+v"(a)); }
 inline void in_register(__m512& a, __m512& b) { asm("" : "+v"(a), "+v"(b)); }
 
@@ -168,17 +169,15 @@ inline void store_tile_sums(const __m512 (&acc)[R][MM], float* yb) {
 
 // y[m0 + m][n + r] for r < R, m < MM, written to yb[m * 16 + r]: weights
 // dequantized 32 at a time (BITS 4: through the group's lookup table; BITS
-// 8: converted, then scale * q + bias), then FMAs with every activation row;
-// one accumulator per (weight row, activation row), R*MM chains, each
-// activation vector loaded into a register once for all R weight rows
-// (8 rows of 3072 x 576, single thread, best of 15: no measurable change on
-// its own; with the per-group-size loop and the tile reduction below, the
-// model's 8-row matmul step went 18.5 -> 17.2 ms, medians of 6 alternating
-// runs). (The 8-bit
-// form costs one FMA per 16 weights more than rescaling per-group dot
-// products at one row, and saves MM FMAs plus MM scalar bias terms per group
-// at MM rows: the default model's 8-bit head, 49152 x 576 at 8 rows, went from
-// 5.3 to 3.4 ms; one row is memory-bound either way.)
+// 8: converted, then scale * q + bias), then FMAs with every activation row:
+// one accumulator per (weight row, activation row), each activation vector
+// loaded into a register once for all R weight rows. With the compile-time
+// group loop and the one-reduction tile end, the default model's 8-row
+// matmuls for one step went from 18.5 to 17.2 ms (medians of 6 alternating
+// runs). The 8-bit form costs one FMA per 16 weights more than rescaling
+// per-group dot products at one row, and saves MM FMAs plus MM scalar bias
+// terms per group at MM rows: the model's 8-bit head, 49152 x 576 at 8 rows,
+// went from 5.3 to 3.4 ms; one row is memory-bound either way.
 template <int BITS, int MM, int R, int CPG>
 inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
                       const float* bi, float* yb) {
