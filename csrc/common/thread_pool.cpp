@@ -43,14 +43,15 @@ int detect_threads() {
 // Workers spin briefly on the job counter before sleeping: decode steps
 // issue many short kernels back to back, and a condition-variable wake-up
 // costs more than most of them. The hand-off takes no lock; the mutex is
-// only for workers that went to sleep. (A worker that took the mutex on
-// every job could find it still held by the publisher and sleep in the
-// futex: a trivial 2-thread op cost ~3.6 us more than a 1-thread one.)
+// only for workers that went to sleep (bench/bench_dispatch.py measures the
+// per-op cost; it was within this machine's noise of the locked version).
 //
 // state_ holds (job number << 32 | next task index), so that a task is
-// claimed for one job only: a worker still looping from a finished job
-// fails its compare-exchange once the next job is published, and can never
-// run a task twice or against the wrong job.
+// claimed for one job only. With a separate task counter, a worker
+// descheduled between finishing its last task and claiming the next could
+// wake after the next job was published with more tasks, run one of them
+// before the counter was reset (twice, then: an in-place residual added
+// twice) or against a null job; now its compare-exchange fails instead.
 class Pool {
  public:
   explicit Pool(int n) : n_(n) {
