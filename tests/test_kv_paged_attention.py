@@ -194,7 +194,6 @@ def test_native_gather(dtype):
 
 
 @native
-@pytest.mark.parametrize("path", [p for p in ("portable", "avx2", "avx512") if ops.cpu_supports(p)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 96)])
 def test_native_prefill_chunks_every_path(path, dtype, Hq, Hkv, D):
@@ -202,27 +201,22 @@ def test_native_prefill_chunks_every_path(path, dtype, Hq, Hkv, D):
     chunks that start mid-sequence and mid-block, a partly filled last
     block): the register-blocked AVX-512 tile kernel (head dims 64/128)
     and the generic kernel of every path against the reference."""
-    ops.set_cpu_path(path)
-    try:
-        rng = random.Random(D + Hq)
-        mx.random.seed(D)
-        bs = 16
-        seqs, used, perm = [], 0, list(range(200))
-        rng.shuffle(perm)
-        for start, n in [(0, 70), (37, 45), (100, 3), (5, 1)]:
-            nb = -(-(start + n) // bs)
-            seqs.append(SeqSlice(perm[used:used + nb], start, n))
-            used += nb
-        kp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
-        vp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
-        q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
-        assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
-    finally:
-        ops.set_cpu_path("")
+    rng = random.Random(D + Hq)
+    mx.random.seed(D)
+    bs = 16
+    seqs, used, perm = [], 0, list(range(200))
+    rng.shuffle(perm)
+    for start, n in [(0, 70), (37, 45), (100, 3), (5, 1)]:
+        nb = -(-(start + n) // bs)
+        seqs.append(SeqSlice(perm[used:used + nb], start, n))
+        used += nb
+    kp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
+    vp = mx.random.normal((200 * bs, Hkv, D)).astype(dtype)
+    q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
+    assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
 
 
 @native
-@pytest.mark.parametrize("path", [p for p in ("portable", "avx2", "avx512") if ops.cpu_supports(p)])
 @pytest.mark.parametrize("bs", [1, 8, 16, 64, 512])
 @pytest.mark.parametrize("D", [64, 128])
 def test_native_long_decode_every_block_size(path, bs, D):
@@ -230,31 +224,26 @@ def test_native_long_decode_every_block_size(path, bs, D):
     online softmax per span of several blocks (256 keys), so contexts of
     several spans, a partial last span and a partial last block, and a
     few-token chunk (3 query tokens x 3 heads < 16 rows) all go through it."""
-    ops.set_cpu_path(path)
-    try:
-        Hq, Hkv, dtype = 9, 3, mx.float32
-        rng = random.Random(bs + D)
-        mx.random.seed(bs)
-        lengths = [700, 257, 600]  # last sequence: a 3-token chunk at its end
-        nblocks = [-(-n // bs) for n in lengths]
-        perm = list(range(sum(nblocks) + 4))
-        rng.shuffle(perm)
-        seqs, used = [], 0
-        for n, nb in zip(lengths, nblocks):
-            q_len = 3 if n == 600 else 1
-            seqs.append(SeqSlice(perm[used:used + nb], n - q_len, q_len))
-            used += nb
-        slots = len(perm) * bs
-        kp = mx.random.normal((slots, Hkv, D)).astype(dtype)
-        vp = mx.random.normal((slots, Hkv, D)).astype(dtype)
-        q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
-        assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
-    finally:
-        ops.set_cpu_path("")
+    Hq, Hkv, dtype = 9, 3, mx.float32
+    rng = random.Random(bs + D)
+    mx.random.seed(bs)
+    lengths = [700, 257, 600]  # last sequence: a 3-token chunk at its end
+    nblocks = [-(-n // bs) for n in lengths]
+    perm = list(range(sum(nblocks) + 4))
+    rng.shuffle(perm)
+    seqs, used = [], 0
+    for n, nb in zip(lengths, nblocks):
+        q_len = 3 if n == 600 else 1
+        seqs.append(SeqSlice(perm[used:used + nb], n - q_len, q_len))
+        used += nb
+    slots = len(perm) * bs
+    kp = mx.random.normal((slots, Hkv, D)).astype(dtype)
+    vp = mx.random.normal((slots, Hkv, D)).astype(dtype)
+    q = (mx.random.normal((sum(s.n for s in seqs), Hq, D)) * 2).astype(dtype)
+    assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
 
 
 @native
-@pytest.mark.parametrize("path", [p for p in ("portable", "avx2", "avx512") if ops.cpu_supports(p)])
 @pytest.mark.parametrize("bs,n_ctx", [(16, 1024), (16, 1500), (256, 3000), (1, 1100), (512, 2000)])
 @pytest.mark.parametrize("Hq,Hkv,D,dtype", [(9, 3, 64, mx.float32), (8, 2, 128, mx.float16)])
 def test_native_single_row_long_context(path, bs, n_ctx, Hq, Hkv, D, dtype):
@@ -262,17 +251,13 @@ def test_native_single_row_long_context(path, bs, n_ctx, Hq, Hkv, D, dtype):
     blocks across the pool (flash-decoding) and merges the partial softmax
     states; every path against the reference, with a block left unused at the
     end of the table and keys beyond the row's position that must be ignored."""
-    ops.set_cpu_path(path)
-    try:
-        rng = random.Random(bs + n_ctx + D)
-        mx.random.seed(n_ctx)
-        nb = -(-(n_ctx + 5) // bs) + 1
-        perm = list(range(nb + 3))
-        rng.shuffle(perm)
-        seqs = [SeqSlice(perm[:nb], n_ctx - 1, 1)]
-        kp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
-        vp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
-        q = (mx.random.normal((1, Hq, D)) * 2).astype(dtype)
-        assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
-    finally:
-        ops.set_cpu_path("")
+    rng = random.Random(bs + n_ctx + D)
+    mx.random.seed(n_ctx)
+    nb = -(-(n_ctx + 5) // bs) + 1
+    perm = list(range(nb + 3))
+    rng.shuffle(perm)
+    seqs = [SeqSlice(perm[:nb], n_ctx - 1, 1)]
+    kp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
+    vp = mx.random.normal(((nb + 3) * bs, Hkv, D)).astype(dtype)
+    q = (mx.random.normal((1, Hq, D)) * 2).astype(dtype)
+    assert_native_matches_reference(seqs, q, kp, vp, bs, dtype)
