@@ -22,7 +22,8 @@ mx::array silu_mul_halves(const mx::array& gate_up, mx::StreamOrDevice s = {});
 // The silu_mul_halves kernel on dense rows, for other primitives that fuse
 // it (a projection's prologue): gate_up [rows, 2m] -> out [rows, m], both in
 // dt, on the given CPU path. Fans out over the thread pool; call it inside a
-// dispatched task. Same numbers as the SiluMul primitive (it runs this).
+// dispatched task. Same numbers as the SiluMul primitive (both run the
+// same row kernels).
 void silu_mul_halves_rows(const void* gate_up, void* out, int64_t rows, int64_t m,
                           mx::Dtype dt, CpuPath path);
 

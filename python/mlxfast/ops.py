@@ -361,7 +361,7 @@ def quantized_matmul(
     after it; with a norm the result has the norm's dtype (``rms_norm``
     promotes x with its weight).
 
-    On the CPU this is one native primitive (GEMV path for up to 8 rows,
+    On the CPU this is one native primitive (GEMV path for up to 16 rows,
     blocked GEMM above); elsewhere, and for ``transpose=False``, it is
     ``mx.quantized_matmul`` (and the separate ops for the fused pieces).
     Bad shapes/dtypes raise ``ValueError``.
