@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import hashlib
 import threading
 import time
@@ -124,7 +125,7 @@ class Engine:
                                       group_size=cfg.kv_group_size)
         if cfg.kv_dtype is None and self.kv_spec.kind == "dense":  # auto: see default_kv_dtype
             self.kv_dtype = default_kv_dtype(model.dtype)
-            self.kv_spec = parse_kv_quant(cfg.kv_quant, head_dim=args.head_dim, dtype=self.kv_dtype)
+            self.kv_spec = dataclasses.replace(self.kv_spec, dtype=self.kv_dtype)
         self.kv_bytes_per_token = self.kv_spec.bytes_per_token(args.num_hidden_layers,
                                                                args.num_key_value_heads)
         per_block = bs * self.kv_bytes_per_token
