@@ -127,6 +127,222 @@ def test_render_tool_call_round_trips_through_parsers():
         assert calls(tc.make_parser(fam).parse(raw)) == [("f", {"a": 1})], fam
 
 
+# ------------------------------------------------- JSON-aware call parsing
+
+# Argument strings that hold every family's markup, braces and brackets, an
+# escaped quote, and a string ending in a backslash ("C:\\dir\\" in JSON).
+TRICKY = {
+    "code": 'print("</tool_call>")\nd = {"a": [1, "}]"]}\n# [TOOL_CALLS] [ARGS] <tool_call> <|python_tag|>',
+    "path": "C:\\dir\\",
+    "quote": 'say \\"hi\\" {"name": "x"}',
+}
+PY = tc.ToolCall("python", json.dumps(TRICKY, ensure_ascii=False))
+TIME = tc.ToolCall("get_time", '{"tz": "CET"}')
+
+
+def hermes_call(name, args, sep="\n"):
+    return f"<tool_call>{sep}{json.dumps({'name': name, 'arguments': args})}{sep}</tool_call>"
+
+
+def llama_call(name, args):
+    return json.dumps({"name": name, "parameters": args})
+
+
+CASES = {  # (family, raw output, the events it must give)
+    "hermes": ("hermes", "Let me run it.\n" + hermes_call("python", TRICKY) + "\n"
+               + hermes_call("get_time", {"tz": "CET"}, sep="") + " Done.",
+               [tc.Text("Let me run it.\n"), PY, tc.Text("\n"), TIME, tc.Text(" Done.")]),
+    "hermes_array": ("hermes", "<tool_call>" + json.dumps([{"name": "python", "arguments": TRICKY},
+                                                          {"name": "get_time", "parameters": {"tz": "CET"}}])
+                     + "</tool_call>", [PY, TIME]),
+    "mistral": ("mistral", "Sure. [TOOL_CALLS]" + json.dumps([{"name": "python", "arguments": TRICKY},
+                                                             {"name": "get_time", "arguments": {"tz": "CET"}}]),
+                [tc.Text("Sure. "), PY, TIME]),
+    "mistral_v11": ("mistral", "[TOOL_CALLS]python[ARGS]" + json.dumps(TRICKY)
+                    + '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"} Done.', [PY, TIME, tc.Text(" Done.")]),
+    "llama3": ("llama3", llama_call("python", TRICKY) + "; " + llama_call("get_time", {"tz": "CET"}) + "\nDone.",
+               [PY, TIME, tc.Text("Done.")]),
+    "llama3_tag": ("llama3", "<|python_tag|>" + llama_call("python", TRICKY), [PY]),
+    "llama3_text_first": ("llama3", "Here: " + llama_call("python", TRICKY),
+                          [tc.Text("Here: " + llama_call("python", TRICKY))]),
+}
+MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", '{"name":', '\\"', "\\\\"]
+
+
+def near_markers(raw):
+    """Each occurrence of a marker (or escape) as the positions from its start to its end."""
+    for m in MARKERS:
+        k = raw.find(m)
+        while k >= 0:
+            yield range(k, k + len(m) + 1)
+            k = raw.find(m, k + 1)
+
+
+def splits(raw):
+    """``raw`` whole, character by character, cut once anywhere, and cut
+    twice within each marker."""
+    yield [raw]
+    yield list(raw)
+    for i in range(1, len(raw)):
+        yield [raw[:i], raw[i:]]
+    for span in near_markers(raw):
+        for i in span:
+            for j in span:
+                if 0 < i < j < len(raw):
+                    yield [raw[:i], raw[i:j], raw[j:]]
+
+
+def feed_pieces(parser, pieces):
+    events = []
+    for p in pieces:
+        events += parser.feed(p)
+    return tc._merge(events + parser.finish())
+
+
+def test_tricky_arguments_hold_escapes_and_markup():
+    raw = json.dumps(TRICKY)
+    assert '\\"' in raw and '\\\\"' in raw and "</tool_call>" in raw and "[TOOL_CALLS]" in raw
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_calls_parse_in_every_split(case):
+    family, raw, expected = CASES[case]
+    n = 0
+    for pieces in splits(raw):
+        p = tc.make_parser(family)
+        assert feed_pieces(p, pieces) == expected, pieces
+        assert not p.unfinished_call
+        n += 1
+    assert n > len(raw)
+
+
+def cut_points(raw, opened_at, closed_at):
+    """Each cut of ``raw`` and how it must come back: before ``opened_at`` the
+    call has not begun (text), up to ``closed_at`` it is unfinished (text,
+    flagged), from there on it is a call."""
+    for k in range(len(raw) + 1):
+        yield k, ("text" if k < opened_at else "unfinished" if k < closed_at else "call")
+
+
+UNTERMINATED = {  # family, output, where the call is recognised, where its JSON closes
+    "hermes": ("hermes", "Hi.\n" + hermes_call("python", TRICKY), len("Hi.\n<tool_call>"),
+               len("Hi.\n<tool_call>\n" + json.dumps({"name": "python", "arguments": TRICKY}))),
+    "mistral": ("mistral", "Sure. [TOOL_CALLS]" + json.dumps([{"name": "python", "arguments": TRICKY}]),
+                len("Sure. [TOOL_CALLS]"), None),
+    "mistral_v11": ("mistral", "[TOOL_CALLS]python[ARGS]" + json.dumps(TRICKY), len("[TOOL_CALLS]"), None),
+    "llama3": ("llama3", llama_call("python", TRICKY), len('{"name":'), None),
+}
+
+
+@pytest.mark.parametrize("case", UNTERMINATED)
+def test_output_ending_inside_a_call_is_text_and_flagged(case):
+    family, raw, opened_at, closed_at = UNTERMINATED[case]
+    before = raw[:raw.index(tc.make_parser(family).START)] if family != "llama3" else ""
+    for k, kind in cut_points(raw, opened_at, closed_at or len(raw)):
+        for pieces in ([raw[:k]], list(raw[:k])):
+            p = tc.make_parser(family)
+            ev = feed_pieces(p, pieces)
+            if kind == "call":
+                assert ev == _merge_text(before, PY), k
+            else:
+                assert ev == ([tc.Text(raw[:k])] if k else []), k
+            assert p.unfinished_call == (kind == "unfinished"), (k, kind)
+
+
+def _merge_text(before, call):
+    return [tc.Text(before), call] if before else [call]
+
+
+@pytest.mark.parametrize("family,first,sep,cut", [
+    ("hermes", hermes_call("get_time", {"tz": "CET"}), "",
+     '<tool_call>{"name": "python", "arguments": {"code": "x = {'),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}', "", '[TOOL_CALLS]python[ARGS]{"code": "a\\"}'),
+    ("llama3", llama_call("get_time", {"tz": "CET"}), "; ", '{"name": "python", "parameters": {"code": "]'),
+])
+def test_finished_call_then_cut_off_call(family, first, sep, cut):
+    raw = first + sep + cut
+    for pieces in ([raw], list(raw)):
+        p = tc.make_parser(family)
+        assert feed_pieces(p, pieces) == [TIME, tc.Text(cut)]
+        assert p.unfinished_call
+
+
+@pytest.mark.parametrize("family,raw", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": }}</tool_call> ok'),
+    ("hermes", '<tool_call>{"arguments": {"a": "</tool_call>"}}</tool_call> ok'),
+    ("mistral", "[TOOL_CALLS][1, 2] ok"),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1,} ok'),
+    ("llama3", '{"name": 3, "parameters": {"a": "}"}} ok'),
+])
+def test_closed_but_invalid_call_is_text_and_not_flagged(family, raw):
+    for pieces in ([raw], list(raw)):
+        p = tc.make_parser(family)
+        assert feed_pieces(p, pieces) == [tc.Text(raw)]
+        assert not p.unfinished_call
+
+
+def test_hermes_complete_json_with_end_marker_cut_short_is_a_call():
+    p = tc.HermesParser()
+    assert p.parse(hermes_call("python", TRICKY)[:-4]) == [PY] and not p.unfinished_call
+
+
+def test_hermes_end_marker_in_a_string_does_not_end_the_call():
+    p = tc.HermesParser()
+    assert p.feed('Run:<tool_call>{"name": "python", "arguments": {"code": "</tool_call>') == [tc.Text("Run:")]
+    assert p.feed(' \\"}</tool_call>') == []
+    assert p.feed('"}}</tool_call> after') == [tc.ToolCall("python", '{"code": "</tool_call> \\"}</tool_call>"}'),
+                                              tc.Text(" after")]
+    assert p.finish() == []
+
+
+def test_mistral_text_streams_around_calls():
+    p = tc.MistralParser()
+    assert p.feed("Sure. [TOOL_") == [tc.Text("Sure. ")]
+    assert p.feed("CALLS]get_time[AR") == []
+    assert p.feed('GS]{"tz": "[TOOL_CALLS]"}') == [tc.ToolCall("get_time", '{"tz": "[TOOL_CALLS]"}')]
+    assert p.feed(" Done") == [tc.Text(" Done")]
+    assert p.finish() == []
+
+
+def test_llama3_holds_only_what_could_start_a_call():
+    p = tc.Llama3JsonParser()
+    assert p.feed(' {"na') == []
+    assert p.feed('mX') == [tc.Text(' {"namX')]
+    p = tc.Llama3JsonParser()
+    assert p.feed("<|python") == []
+    assert p.feed("_tag|>print(1)") == [tc.Text("<|python_tag|>print(1)")]
+    p = tc.Llama3JsonParser()
+    assert p.feed(llama_call("get_time", {"tz": "CET"})) == [TIME]
+    assert p.feed("\nIt is noon") == [tc.Text("It is noon")]
+    assert p.finish() == [] and not p.unfinished_call
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral"])
+def test_render_tool_call_round_trips_tricky_arguments(family):
+    raw = tc.render_tool_call(family, "python", TRICKY)
+    assert stream(tc.make_parser(family), raw, 1) == [PY]
+
+
+def test_output_parser_exposes_unfinished_call(tokenizer):
+    from mlxfast.server.generation import OutputParser
+
+    parser = OutputParser(tokenizer, reasoning=False, in_reasoning=False, tool_family="hermes")
+    raw = '<tool_call>\n{"name": "python", "arguments": {"code": "</tool_call>'
+    assert parser.feed(raw) == []
+    assert parser.finish() == [("content", raw)]
+    assert parser.tools.unfinished_call
+
+
+def test_long_arguments_parse_in_linear_time():
+    code = 'print("}</tool_call>\\n")\n' * 20000  # ~500k characters of JSON string
+    raw = hermes_call("python", {"code": code})
+    p = tc.HermesParser()
+    events = []
+    for i in range(0, len(raw), 4):
+        events += p.feed(raw[i:i + 4])
+    assert tc._merge(events + p.finish()) == [tc.ToolCall("python", json.dumps({"code": code}))]
+
+
 # ---------------------------------------------------------------- reasoning
 
 

@@ -5,16 +5,20 @@ Three families of markup are understood:
 * ``hermes`` (Hermes, Qwen 2/2.5/3, and mlxfast's fallback prompt):
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number,
   anywhere in the output.
-* ``llama3``: the whole output is one or more JSON objects
-  ``{"name": ..., "parameters": {...}}`` (separated by ``;`` or newlines),
-  optionally after ``<|python_tag|>``.
+* ``llama3``: the output is one or more JSON objects
+  ``{"name": ..., "parameters": {...}}`` (separated by ``;`` or whitespace),
+  optionally after ``<|python_tag|>``; text may follow the calls.
 * ``mistral``: ``[TOOL_CALLS]`` followed by a JSON array
-  ``[{"name": ..., "arguments": {...}}]`` or by ``name[ARGS]{...}`` pairs.
+  ``[{"name": ..., "arguments": {...}}]`` or by ``name[ARGS]{...}``.
 
 Every parser is streaming: ``feed(text)`` returns the events that are final so
-far, ``finish()`` the rest. Text before a call streams out as it arrives;
-anything that could still turn out to be markup is held back, so markup never
-leaks into content. A call whose body does not parse is given back as text.
+far, ``finish()`` the rest; text may arrive in pieces of any size. Text before
+a call streams out as it arrives; a tail that could still become a marker is
+held back until it can no longer be one. Inside a call, JSON is scanned
+(strings, escapes, nesting), so markup written inside an argument string does
+not end the call. A call whose JSON does not parse is given back as its raw
+text; when that happens because the output ended inside the call (cut off by
+max_tokens, say), ``finish()`` also sets ``parser.unfinished_call``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,63 @@ class Text:
 Event = Union[Text, ToolCall]
 
 _DECODER = json.JSONDecoder()
+_SEPARATORS = " \t\r\n;,"
+
+
+class _JsonScanner:
+    """Reads JSON text as it grows in a caller's buffer, tracking strings
+    (with escapes) and brace/bracket nesting, to tell where a value ends and
+    whether a marker stands outside any JSON value."""
+
+    def __init__(self, start: int = 0):
+        self.pos = start  # how far into the caller's buffer it has read
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    @property
+    def outside(self) -> bool:
+        return self.depth == 0 and not self.in_string
+
+    def _step(self, c: str) -> bool:
+        """Take one character; True when it closes a top-level value."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                self.in_string = False
+        elif c == '"':
+            self.in_string = True
+        elif c in "{[":
+            self.depth += 1
+        elif c in "}]" and self.depth:
+            self.depth -= 1
+            return self.depth == 0
+        return False
+
+    def value_end(self, buf: str) -> int:
+        """Read on through ``buf``: the index just past the top-level value
+        that closes, or -1 if it is still open."""
+        while self.pos < len(buf):
+            self.pos += 1
+            if self._step(buf[self.pos - 1]):
+                return self.pos
+        return -1
+
+    def find_outside(self, buf: str, marker: str) -> int:
+        """Read on through ``buf`` to ``marker`` outside JSON values: its index,
+        or -1 (then ``pos`` stops before a tail that may still become it)."""
+        while self.pos < len(buf):
+            if self.outside and buf[self.pos] == marker[0]:
+                if buf.startswith(marker, self.pos):
+                    return self.pos
+                if marker.startswith(buf[self.pos:]):
+                    return -1
+            self._step(buf[self.pos])
+            self.pos += 1
+        return -1
 
 
 def _held_prefix(buf: str, marker: str) -> int:
@@ -47,6 +108,16 @@ def _held_prefix(buf: str, marker: str) -> int:
         if marker.startswith(buf[-n:]):
             return n
     return 0
+
+
+def _text_until(buf: str, marker: str) -> tuple[str, str, bool]:
+    """Split ``buf`` at its first ``marker``: (text before, text after, True);
+    without one: (text that can go out now, tail that may become the marker, False)."""
+    i = buf.find(marker)
+    if i >= 0:
+        return buf[:i], buf[i + len(marker):], True
+    keep = len(buf) - _held_prefix(buf, marker)
+    return buf[:keep], buf[keep:], False
 
 
 def _call_from_obj(obj: Any, arg_keys=("arguments", "parameters")) -> ToolCall | None:
@@ -74,6 +145,29 @@ def _call_from_obj(obj: Any, arg_keys=("arguments", "parameters")) -> ToolCall |
     return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
+def _parse_json_sequence(body: str, arg_keys=("arguments", "parameters")) -> list[ToolCall] | None:
+    """Calls from one or more JSON values (objects or arrays of objects)
+    separated by whitespace, ``;`` or ``,``; None unless the whole body parses."""
+    calls: list[ToolCall] = []
+    i, n = 0, len(body)
+    while True:
+        while i < n and body[i] in _SEPARATORS:
+            i += 1
+        if i >= n:
+            break
+        try:
+            obj, i = _DECODER.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return None
+        items = obj if isinstance(obj, list) else [obj]
+        for item in items:
+            call = _call_from_obj(item, arg_keys)
+            if call is None:
+                return None
+            calls.append(call)
+    return calls or None
+
+
 def _merge(events: Iterable[Event]) -> list[Event]:
     """Join adjacent Text events and drop empty ones."""
     out: list[Event] = []
@@ -92,6 +186,9 @@ class ToolCallParser:
     """Base class: a parser that finds no calls (all text)."""
 
     family = "none"
+    # Set by finish() when the output ended inside a call that never became
+    # valid (cut off, say) and its raw text was given back as a Text event.
+    unfinished_call = False
 
     def feed(self, text: str) -> list[Event]:
         return [Text(text)] if text else []
@@ -105,178 +202,179 @@ class ToolCallParser:
 
 
 class HermesParser(ToolCallParser):
+    """``<tool_call>`` JSON ``</tool_call>``; the end marker counts only
+    outside JSON strings and values."""
+
     family = "hermes"
     START = "<tool_call>"
     END = "</tool_call>"
 
     def __init__(self):
-        self._buf = ""
+        self._buf = ""  # text not given out yet; in a call, what follows START
+        self._call: _JsonScanner | None = None  # reads the body while in a call
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while True:
+            if self._call is None:
+                before, self._buf, opened = _text_until(self._buf, self.START)
+                out.append(Text(before))
+                if not opened:
+                    return _merge(out)
+                self._call = _JsonScanner()
+            end = self._call.find_outside(self._buf, self.END)
+            if end < 0:
+                return _merge(out)
+            body, self._buf = self._buf[:end], self._buf[end + len(self.END):]
+            self._call = None
+            out += _parse_json_sequence(body) or [Text(self.START + body + self.END)]
+
+    def finish(self) -> list[Event]:
+        buf, self._buf = self._buf, ""
+        if self._call is None:
+            return _merge([Text(buf)])
+        # A complete body stands as a call even without its end marker (or
+        # with the end marker cut short, which the scanner stopped before).
+        calls = _parse_json_sequence(buf[:self._call.pos])
+        self._call = None
+        if calls:
+            return list(calls)
+        self.unfinished_call = True
+        return [Text(self.START + buf)]
+
+
+_LLAMA_TAG = "<|python_tag|>"
+_LLAMA_START = re.compile(r'\s*(?:<\|python_tag\|>\s*)?(\{)\s*"name"\s*:')
+_LLAMA_PREFIX = re.compile(r'\s*(?:<\|python_tag\|>\s*)?(?:\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?)?')
+
+
+def _could_start_llama_call(buf: str) -> bool:
+    """Whether ``buf`` may still grow into the start of a llama3 call."""
+    return bool(_LLAMA_PREFIX.fullmatch(buf)) or _LLAMA_TAG.startswith(buf.lstrip())
+
+
+class Llama3JsonParser(ToolCallParser):
+    """Llama 3.x: the output is JSON calls, optionally after ``<|python_tag|>``;
+    output that does not open like ``{"name":`` is text."""
+
+    family = "llama3"
+    TAG = _LLAMA_TAG
+
+    def __init__(self):
+        self._buf = ""  # text not given out yet; in a call, from its start
+        self._mode = "start"  # start (undecided) -> call -> start ... | text
+        self._call: _JsonScanner | None = None  # reads the call's JSON
+        self._value_start = 0  # where the call's JSON opens in the buffer
+        self._made_calls = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while True:
+            if self._mode == "start":
+                self._decide()
+            if self._mode == "text":
+                out.append(Text(self._buf))
+                self._buf = ""
+            if self._mode != "call":
+                return _merge(out)
+            end = self._call.value_end(self._buf)
+            if end < 0:
+                return _merge(out)
+            raw, self._buf = self._buf[:end], self._buf[end:]
+            calls = _parse_json_sequence(raw[self._value_start:])
+            if calls:
+                out += calls
+                self._made_calls = True
+                self._mode = "start"
+            else:
+                out.append(Text(raw))
+                self._mode = "text"
+
+    def _decide(self) -> None:
+        """Leave the start mode once the buffer shows a call or can no longer be one."""
+        if self._made_calls:  # separators between calls are not content
+            self._buf = self._buf.lstrip(_SEPARATORS)
+        m = _LLAMA_START.match(self._buf)
+        if m:
+            self._mode = "call"
+            self._value_start = m.start(1)
+            self._call = _JsonScanner(self._value_start)
+        elif not _could_start_llama_call(self._buf):
+            self._mode = "text"
+
+    def finish(self) -> list[Event]:
+        buf, self._buf = self._buf, ""
+        if self._mode == "call":
+            self.unfinished_call = True
+        self._mode = "text"
+        return [Text(buf)] if buf else []
+
+
+# After [TOOL_CALLS]: a JSON array/object, or a name (and [ARGS]) then an object.
+_MISTRAL_HEAD = re.compile(r"\s*(?:([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)|(?=[\[{]))")
+
+
+class MistralParser(ToolCallParser):
+    """``[TOOL_CALLS]`` then ``[{...}, ...]`` or ``name[ARGS]{...}``; the call
+    ends where its JSON value closes."""
+
+    family = "mistral"
+    START = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def __init__(self):
+        self._buf = ""  # text not given out yet; in a call, what follows START
         self._in_call = False
+        self._name: str | None = None  # the name before [ARGS], if any
+        self._value_start = 0  # where the call's JSON opens in the buffer
+        self._call: _JsonScanner | None = None  # reads the JSON once it opens
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         out: list[Event] = []
         while True:
             if not self._in_call:
-                i = self._buf.find(self.START)
-                if i < 0:
-                    keep = _held_prefix(self._buf, self.START)
-                    emit = self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    out.append(Text(emit))
+                before, self._buf, self._in_call = _text_until(self._buf, self.START)
+                out.append(Text(before))
+                if not self._in_call:
                     return _merge(out)
-                out.append(Text(self._buf[:i]))
-                self._buf = self._buf[i + len(self.START):]
-                self._in_call = True
-            j = self._buf.find(self.END)
-            if j < 0:
+                self._call = None
+            end = self._value_end()
+            if end < 0:
                 return _merge(out)
-            body = self._buf[:j]
-            self._buf = self._buf[j + len(self.END):]
+            raw, self._buf = self._buf[:end], self._buf[end:]
             self._in_call = False
-            out.extend(self._parse_body(body, closed=True))
+            out += self._calls(raw[self._value_start:]) or [Text(self.START + raw)]
 
-    def _parse_body(self, body: str, closed: bool) -> list[Event]:
-        calls = _parse_json_sequence(body)
-        if calls:
-            return list(calls)
-        raw = self.START + body + (self.END if closed else "")
-        return [Text(raw)]
+    def _value_end(self) -> int:
+        """Where the call's JSON value ends in the buffer, or -1."""
+        if self._call is None:
+            head = _MISTRAL_HEAD.match(self._buf)
+            if head is None:
+                return -1
+            self._name, self._value_start = head.group(1), head.end()
+            self._call = _JsonScanner(self._value_start)
+        return self._call.value_end(self._buf)
 
-    def finish(self) -> list[Event]:
-        buf, self._buf = self._buf, ""
-        if self._in_call:
-            self._in_call = False
-            return _merge(self._parse_body(buf, closed=False))
-        return _merge([Text(buf)])
-
-
-def _parse_json_sequence(body: str, arg_keys=("arguments", "parameters")) -> list[ToolCall] | None:
-    """Calls from one or more JSON values (objects or arrays of objects)
-    separated by whitespace, ``;`` or ``,``; None unless the whole body parses."""
-    calls: list[ToolCall] = []
-    i, n = 0, len(body)
-    while True:
-        while i < n and body[i] in " \t\r\n;,":
-            i += 1
-        if i >= n:
-            break
+    def _calls(self, value: str) -> list[ToolCall] | None:
+        if self._name is None:
+            return _parse_json_sequence(value)
         try:
-            obj, i = _DECODER.raw_decode(body, i)
+            args = json.loads(value)
         except json.JSONDecodeError:
             return None
-        items = obj if isinstance(obj, list) else [obj]
-        for item in items:
-            call = _call_from_obj(item, arg_keys)
-            if call is None:
-                return None
-            calls.append(call)
-    return calls or None
-
-
-_LLAMA_PREFIX = re.compile(r'\s*(\{\s*("(n(a(m(e("\s*)?)?)?)?)?)?)?$')
-_LLAMA_START = re.compile(r'\s*\{\s*"name"\s*:')
-
-
-class Llama3JsonParser(ToolCallParser):
-    """Llama 3.x: the output is JSON calls, optionally after ``<|python_tag|>``."""
-
-    family = "llama3"
-    TAG = "<|python_tag|>"
-
-    def __init__(self):
-        self._buf = ""
-        self._mode = "start"  # start -> text | call
-
-    def feed(self, text: str) -> list[Event]:
-        if self._mode == "text":
-            return [Text(text)] if text else []
-        self._buf += text
-        if self._mode == "call":
-            return []
-        stripped = self._buf.lstrip()
-        if stripped.startswith(self.TAG) or _LLAMA_START.match(self._buf):
-            self._mode = "call"
-            return []
-        if self.TAG.startswith(stripped) or _LLAMA_PREFIX.match(self._buf):
-            return []  # could still become a call
-        self._mode = "text"
-        buf, self._buf = self._buf, ""
-        return [Text(buf)]
+        call = _call_from_obj({"name": self._name, "arguments": args})
+        return [call] if call else None
 
     def finish(self) -> list[Event]:
         buf, self._buf = self._buf, ""
-        if not buf:
-            return []
-        body = buf.lstrip()
-        if body.startswith(self.TAG):
-            body = body[len(self.TAG):]
-        calls = _parse_json_sequence(body)
-        if calls:
-            return list(calls)
-        return [Text(buf)]
-
-
-class MistralParser(ToolCallParser):
-    family = "mistral"
-    START = "[TOOL_CALLS]"
-    ARGS = "[ARGS]"
-
-    def __init__(self):
-        self._buf = ""
-        self._in_calls = False
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        if self._in_calls:
-            return []
-        i = self._buf.find(self.START)
-        if i >= 0:
-            out = self._buf[:i]
-            self._buf = self._buf[i:]
-            self._in_calls = True
-            return [Text(out)] if out else []
-        keep = _held_prefix(self._buf, self.START)
-        emit = self._buf[: len(self._buf) - keep]
-        self._buf = self._buf[len(self._buf) - keep:]
-        return [Text(emit)] if emit else []
-
-    def finish(self) -> list[Event]:
-        buf, self._buf = self._buf, ""
-        if not self._in_calls:
+        if not self._in_call:
             return [Text(buf)] if buf else []
-        calls: list[ToolCall] = []
-        segments = [s for s in buf.split(self.START) if s.strip()]
-        for seg in segments:
-            got = self._parse_segment(seg)
-            if got is None:
-                return [Text(buf)]
-            calls.extend(got)
-        return list(calls) if calls else [Text(buf)]
-
-    def _parse_segment(self, seg: str) -> list[ToolCall] | None:
-        s = seg.strip()
-        if s.startswith("[") or s.startswith("{"):
-            return _parse_json_sequence(s)
-        # v11+: name[ARGS]{json} (or name{json})
-        calls: list[ToolCall] = []
-        i = 0
-        while i < len(s):
-            m = re.match(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*", s[i:])
-            if not m:
-                return None
-            name = m.group(1)
-            i += m.end()
-            try:
-                args, i = _DECODER.raw_decode(s, i)
-            except json.JSONDecodeError:
-                return None
-            if not isinstance(args, dict):
-                return None
-            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
-            while i < len(s) and s[i] in " \t\r\n,;":
-                i += 1
-        return calls or None
+        self._in_call = False
+        self.unfinished_call = True
+        return [Text(self.START + buf)]
 
 
 PARSERS = {"hermes": HermesParser, "llama3": Llama3JsonParser, "mistral": MistralParser}
