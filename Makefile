@@ -14,6 +14,19 @@ MLX_REQ := mlx[cpu]==0.32.4
 endif
 BUILD_REQS := "scikit-build-core>=0.10" "nanobind>=3.1,<4" "$(MLX_REQ)"
 
+# llama-cpp-python (a test-only oracle) compiles llama.cpp. Its default
+# GGML_NATIVE=ON build dies with SIGILL on VMs whose CPU reports AMX without
+# enabling it, so on x86_64 Linux it is built for explicit ISA levels instead
+# (AVX-512 only where the CPU has it); --no-cache-dir keeps pip from reusing
+# a wheel built with other flags.
+UNAME_M := $(shell uname -m)
+ifeq ($(UNAME_S)-$(UNAME_M),Linux-x86_64)
+HAS_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo 1)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON$(if $(HAS_AVX512), -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+TEST_PIP_ENV := CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)"
+TEST_PIP_OPTS := --no-cache-dir
+endif
+
 .PHONY: serve test install install-test bench clean
 
 $(VPY):
@@ -29,7 +42,7 @@ install: $(VPY)
 	$(PIP) install --quiet --no-build-isolation -e .
 
 install-test: install
-	$(PIP) install --quiet --no-build-isolation -e ".[test]"
+	$(TEST_PIP_ENV) $(PIP) install --quiet $(TEST_PIP_OPTS) --no-build-isolation -e ".[test]"
 
 serve: install
 	$(VPY) -m mlxfast.serve --host $(HOST) --port $(PORT)
