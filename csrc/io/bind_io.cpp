@@ -101,7 +101,8 @@ void bind_io(nb::module_& m) {
         "Scan a namespace directory: (entries [(key_hex, size, mtime, tokens)], tmp_removed, "
         "quarantined, reasons). Removes *.tmp, quarantines bad or foreign files.");
 
-  m.def("kv_quarantine", &io::quarantine_file, "path"_a, "quarantine_dir"_a);
+  m.def("kv_quarantine", &io::quarantine_file, "path"_a, "quarantine_dir"_a,
+        nb::call_guard<nb::gil_scoped_release>());
 
   nb::class_<io::KVWriter>(m, "KVWriter")
       .def(nb::init<std::string, uint64_t, bool>(), "dir"_a, "max_pending_bytes"_a,
@@ -130,7 +131,8 @@ void bind_io(nb::module_& m) {
       .def("set_max_pending_bytes", &io::KVWriter::set_max_pending_bytes, "n"_a)
       .def("stats", &writer_stats)
       .def("close", &io::KVWriter::close, "drain"_a = true, "timeout"_a = 30.0,
-           nb::call_guard<nb::gil_scoped_release>());
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Stop the thread within timeout seconds; False: it was stuck and is detached.");
 
   nb::class_<io::KVReader>(m, "KVReader")
       .def(nb::init<std::string>(), "dir"_a)
@@ -156,7 +158,8 @@ void bind_io(nb::module_& m) {
            "[(id, n_total, n_ok, fail_name, fail_reason, fail_missing, seconds, bytes, arrays)]")
       .def("wait", &io::KVReader::wait, "id"_a, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("pending", &io::KVReader::pending)
-      .def("close", &io::KVReader::close, nb::call_guard<nb::gil_scoped_release>());
+      .def("close", &io::KVReader::close, "timeout"_a = 5.0, nb::call_guard<nb::gil_scoped_release>(),
+           "Stop the thread within timeout seconds; False: it was stuck and is detached.");
 }
 
 } // namespace mlxfast

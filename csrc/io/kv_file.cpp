@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <random>
 
 #include "io/xxhash64.h"
 
@@ -132,31 +134,86 @@ AlignedBuffer::AlignedBuffer(size_t n) : size(n) {
 
 AlignedBuffer::~AlignedBuffer() { std::free(data); }
 
-int fsync_dir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return errno;
-  int rc = ::fsync(fd) == 0 ? 0 : errno;
-  ::close(fd);
-  return rc;
+int open_dir(const std::string& path) {
+  return ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+}
+
+std::string open_block_file(int dirfd, const std::string& name, int& fd, struct stat& st,
+                            bool& missing) {
+  missing = false;
+  fd = ::openat(dirfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    missing = e == ENOENT;
+    if (missing) return "missing";
+    if (e == ELOOP) return "a symbolic link";
+    return std::string("cannot open: ") + std::strerror(e);
+  }
+  std::string reason;
+  if (::fstat(fd, &st) != 0)
+    reason = "cannot stat";
+  else if (!S_ISREG(st.st_mode))
+    reason = "not a regular file";
+  else if (st.st_uid != ::geteuid())
+    reason = "owned by another user";
+  if (!reason.empty()) {
+    ::close(fd);
+    fd = -1;
+  }
+  return reason;
+}
+
+std::string random_tmp_name(const std::string& name) {
+  static thread_local std::random_device rd;
+  uint64_t r = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(r));
+  return name + "." + hex + ".tmp";
+}
+
+bool quarantine_at(int dirfd, const std::string& name, const std::string& qdir) {
+  ::mkdir(qdir.c_str(), 0700);
+  int qfd = open_dir(qdir);
+  struct stat st;
+  if (qfd >= 0 && (::fstat(qfd, &st) != 0 || st.st_uid != ::geteuid())) {
+    ::close(qfd);
+    qfd = -1;
+  }
+  if (qfd >= 0) {
+    std::string dest = name;
+    for (int i = 1; ::fstatat(qfd, dest.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && i < 1000; ++i)
+      dest = name + "." + std::to_string(i);
+    // rename never follows a symlink at dest: it replaces the link itself
+    bool moved = ::renameat(dirfd, name.c_str(), qfd, dest.c_str()) == 0;
+    ::close(qfd);
+    if (moved) return true;
+  }
+  return ::unlinkat(dirfd, name.c_str(), 0) == 0;  // never leave a bad file where it is read
 }
 
 bool quarantine_file(const std::string& path, const std::string& qdir) {
-  ::mkdir(qdir.c_str(), 0755);
   size_t slash = path.rfind('/');
+  std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
   std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
-  std::string dest = qdir + "/" + name;
-  struct stat st;
-  for (int i = 1; ::lstat(dest.c_str(), &st) == 0 && i < 1000; ++i)
-    dest = qdir + "/" + name + "." + std::to_string(i);
-  if (::rename(path.c_str(), dest.c_str()) == 0) return true;
-  return ::unlink(path.c_str()) == 0;  // never leave a bad file where it is read
+  int dirfd = open_dir(dir);
+  if (dirfd < 0) return false;
+  bool ok = quarantine_at(dirfd, name, qdir);
+  ::close(dirfd);
+  return ok;
 }
 
 ScanResult scan_dir(const std::string& dir, const std::string& qdir, uint64_t ns_hash,
                     const std::string& layout, bool verify_data) {
   ScanResult res;
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) return res;
+  int dirfd = open_dir(dir);
+  if (dirfd < 0) return res;
+  int listfd = ::dup(dirfd);
+  DIR* d = listfd >= 0 ? ::fdopendir(listfd) : nullptr;
+  if (!d) {
+    if (listfd >= 0) ::close(listfd);
+    ::close(dirfd);
+    return res;
+  }
   std::vector<std::string> names;
   while (struct dirent* e = ::readdir(d)) {
     std::string n = e->d_name;
@@ -166,27 +223,25 @@ ScanResult scan_dir(const std::string& dir, const std::string& qdir, uint64_t ns
   AlignedBuffer hdr(kHeaderSize);
   bool changed = false;
   for (const auto& name : names) {
-    std::string path = dir + "/" + name;
     struct stat st;
-    if (::lstat(path.c_str(), &st) != 0) continue;
+    if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
     if (S_ISDIR(st.st_mode)) continue;  // quarantine/ and anything else
     if (ends_with(name, ".tmp")) {
-      if (::unlink(path.c_str()) == 0) ++res.tmp_removed, changed = true;
+      if (::unlinkat(dirfd, name.c_str(), 0) == 0) ++res.tmp_removed, changed = true;
       continue;
     }
     std::string reason;
     std::string key;
     HeaderInfo info;
-    if (!S_ISREG(st.st_mode)) {
-      reason = "not a regular file";
-    } else if (!ends_with(name, ".kv") || !from_hex(name.substr(0, name.size() - 3), key) ||
-               key.empty() || key.size() > kMaxKey) {
+    if (!ends_with(name, ".kv") || !from_hex(name.substr(0, name.size() - 3), key) ||
+        key.empty() || key.size() > kMaxKey) {
       reason = "not a block file name";
     } else {
-      int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) {
-        reason = "cannot open";
-      } else {
+      int fd;
+      bool missing;
+      reason = open_block_file(dirfd, name, fd, st, missing);
+      if (missing) continue;  // gone since the listing
+      if (reason.empty()) {
         ssize_t got = ::pread(fd, hdr.data, kHeaderSize, 0);
         if (got != static_cast<ssize_t>(kHeaderSize)) {
           reason = "short header (truncated?)";
@@ -198,7 +253,7 @@ ScanResult scan_dir(const std::string& dir, const std::string& qdir, uint64_t ns
       }
     }
     if (!reason.empty()) {
-      if (quarantine_file(path, qdir)) ++res.quarantined, changed = true;
+      if (quarantine_at(dirfd, name, qdir)) ++res.quarantined, changed = true;
       res.quarantine_reasons.push_back(name + ": " + reason);
       continue;
     }
@@ -206,7 +261,8 @@ ScanResult scan_dir(const std::string& dir, const std::string& qdir, uint64_t ns
     res.entries.push_back({name.substr(0, name.size() - 3), static_cast<uint64_t>(st.st_size),
                            mtime, info.tokens});
   }
-  if (changed) fsync_dir(dir);
+  if (changed) ::fsync(dirfd);
+  ::close(dirfd);
   return res;
 }
 

@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
 namespace mlxfast::io {
 
 constexpr char kMagic[8] = {'M', 'L', 'X', 'F', 'K', 'V', 'B', '\0'};
@@ -73,8 +75,23 @@ struct AlignedBuffer {
   size_t size = 0;
 };
 
-// fsync a directory (makes renames/unlinks in it durable). Returns errno or 0.
-int fsync_dir(const std::string& dir);
+// The cache directory may be shared with others (see docs/architecture.md,
+// "SSD tier"): every file in it is opened relative to a directory fd, never
+// through a symlink, and only regular files we own are read.
+
+// open(path, O_DIRECTORY | O_NOFOLLOW): the last component must be a real
+// directory. Returns the fd, or -1 with errno set.
+int open_dir(const std::string& path);
+
+// Open `name` in dirfd for reading: O_NOFOLLOW (a symlink is refused) and
+// O_NONBLOCK (a FIFO or device never blocks the open), then fstat: only a
+// regular file owned by this user passes. Returns "" (fd and st filled) or
+// the reason (fd closed); missing is set when the file does not exist.
+std::string open_block_file(int dirfd, const std::string& name, int& fd, struct stat& st,
+                            bool& missing);
+
+// A temp name no one can predict: "<name>.<16 random hex digits>.tmp".
+std::string random_tmp_name(const std::string& name);
 
 struct ScanEntry {
   std::string key_hex;
@@ -97,7 +114,11 @@ struct ScanResult {
 ScanResult scan_dir(const std::string& dir, const std::string& quarantine_dir, uint64_t ns_hash,
                     const std::string& layout, bool verify_data);
 
-// Move one file into quarantine_dir (keeps its name, adds a suffix on clash).
+// Move one file into quarantine_dir (created 0700 on demand; keeps its name,
+// adds a suffix on clash). When quarantine_dir is not a directory of ours
+// (e.g. a planted symlink) the file is unlinked instead: a bad file never
+// stays where it is read, and nothing is moved outside the cache.
 bool quarantine_file(const std::string& path, const std::string& quarantine_dir);
+bool quarantine_at(int dirfd, const std::string& name, const std::string& quarantine_dir);
 
 } // namespace mlxfast::io

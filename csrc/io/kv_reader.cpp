@@ -8,26 +8,49 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 
 #include "io/xxhash64.h"
 
 namespace mlxfast::io {
 
-KVReader::KVReader(std::string dir) : dir_(std::move(dir)) {
-  thread_ = std::thread([this] { run(); });
+struct KVReader::State {
+  int dirfd = -1, dir_errno = 0;
+  std::mutex mu;
+  std::condition_variable cv, done_cv;
+  std::deque<Job> queue;
+  std::vector<ReadResult> done;
+  uint64_t next_id = 1, active = 0;
+  std::vector<uint64_t> finished;
+  bool stop = false, exited = false;
+  ~State() {
+    if (dirfd >= 0) ::close(dirfd);
+  }
+};
+
+KVReader::KVReader(std::string dir) : s_(std::make_shared<State>()) {
+  s_->dirfd = open_dir(dir);
+  s_->dir_errno = s_->dirfd < 0 ? errno : 0;
+  thread_ = std::thread(run, s_);
 }
 
 KVReader::~KVReader() { close(); }
 
-void KVReader::close() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-  done_cv_.notify_all();
+bool KVReader::close(double timeout_s) {
+  std::unique_lock<std::mutex> lk(s_->mu);
+  s_->stop = true;
+  s_->cv.notify_all();
+  s_->done_cv.notify_all();
+  if (!thread_.joinable()) return s_->exited;  // closed before
+  bool exited = s_->done_cv.wait_for(lk, std::chrono::duration<double>(timeout_s),
+                                     [this] { return s_->exited; });
+  lk.unlock();
+  if (exited)
+    thread_.join();
+  else
+    thread_.detach();
+  return exited;
 }
 
 uint64_t KVReader::submit(const std::vector<std::string>& names, const std::vector<std::string>& keys,
@@ -35,58 +58,60 @@ uint64_t KVReader::submit(const std::vector<std::string>& names, const std::vect
                           const std::string& layout, bool verify) {
   if (names.size() != keys.size())
     throw std::invalid_argument("[mlxfast.KVReader] names and keys differ in length");
-  std::lock_guard<std::mutex> lk(mu_);
-  if (stop_) throw std::runtime_error("[mlxfast.KVReader] closed");
-  uint64_t id = next_id_++;
-  queue_.push_back({id, names, keys, specs, ns_hash, layout, verify});
-  cv_.notify_all();
+  std::lock_guard<std::mutex> lk(s_->mu);
+  if (s_->stop) throw std::runtime_error("[mlxfast.KVReader] closed");
+  uint64_t id = s_->next_id++;
+  s_->queue.push_back({id, names, keys, specs, ns_hash, layout, verify});
+  s_->cv.notify_all();
   return id;
 }
 
 std::vector<ReadResult> KVReader::poll() {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<std::mutex> lk(s_->mu);
   std::vector<ReadResult> out;
-  out.swap(done_);
+  out.swap(s_->done);
   return out;
 }
 
 uint64_t KVReader::pending() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return queue_.size() + active_;
+  std::lock_guard<std::mutex> lk(s_->mu);
+  return s_->queue.size() + s_->active;
 }
 
 bool KVReader::wait(uint64_t id, double timeout_s) {
-  std::unique_lock<std::mutex> lk(mu_);
+  State& s = *s_;
+  std::unique_lock<std::mutex> lk(s.mu);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   auto ready = [&] {
-    if (id == 0) return queue_.empty() && active_ == 0;
-    return std::find(finished_.begin(), finished_.end(), id) != finished_.end();
+    if (id == 0) return s.queue.empty() && s.active == 0;
+    return std::find(s.finished.begin(), s.finished.end(), id) != s.finished.end();
   };
-  return done_cv_.wait_until(lk, deadline, [&] { return ready() || stop_; }) && ready();
+  return s.done_cv.wait_until(lk, deadline, [&] { return ready() || s.stop; }) && ready();
 }
 
-void KVReader::do_read(Job& job, ReadResult& r) {
+void KVReader::do_read(State& s, Job& job, ReadResult& r) {
   size_t n = job.names.size();
   r.id = job.id;
   r.n_total = static_cast<int>(n);
   r.specs = job.specs;
   uint64_t data_size = 0;
-  for (const auto& s : job.specs) {
-    r.buffers.push_back(std::make_shared<AlignedBuffer>(std::max<uint64_t>(s.slice_bytes * n, 1)));
-    data_size += s.slice_bytes;
+  for (const auto& spec : job.specs) {
+    r.buffers.push_back(std::make_shared<AlignedBuffer>(std::max<uint64_t>(spec.slice_bytes * n, 1)));
+    data_size += spec.slice_bytes;
   }
   AlignedBuffer hdr(kHeaderSize);
   std::vector<iovec> iov(job.specs.size() + 1);
   for (size_t i = 0; i < n; ++i) {
-    std::string path = dir_ + "/" + job.names[i];
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    int fd = -1;
+    struct stat st;
     std::string reason;
-    if (fd < 0) {
-      r.fail_missing = errno == ENOENT;
-      reason = r.fail_missing ? "missing" : "cannot open";
+    if (s.dirfd < 0) {
+      reason = std::string("cannot open the directory: ") + std::strerror(s.dir_errno);
     } else {
-      struct stat st;
-      int64_t size = ::fstat(fd, &st) == 0 ? static_cast<int64_t>(st.st_size) : -2;
+      reason = open_block_file(s.dirfd, job.names[i], fd, st, r.fail_missing);
+    }
+    if (fd >= 0) {
+      int64_t size = static_cast<int64_t>(st.st_size);
       iov[0] = {hdr.data, kHeaderSize};
       for (size_t j = 0; j < job.specs.size(); ++j)
         iov[j + 1] = {r.buffers[j]->data + i * job.specs[j].slice_bytes, job.specs[j].slice_bytes};
@@ -133,35 +158,39 @@ void KVReader::do_read(Job& job, ReadResult& r) {
   }
 }
 
-void KVReader::run() {
+void KVReader::run(std::shared_ptr<State> sp) {
+  State& s = *sp;
   for (;;) {
     Job job;
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
-      if (stop_) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
-      active_ = 1;
+      std::unique_lock<std::mutex> lk(s.mu);
+      s.cv.wait(lk, [&] { return s.stop || !s.queue.empty(); });
+      if (s.stop) break;
+      job = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.active = 1;
     }
     ReadResult r;
     auto t0 = std::chrono::steady_clock::now();
     try {
-      do_read(job, r);
+      do_read(s, job, r);
     } catch (const std::exception& e) {
       r.fail_reason = e.what();
       r.n_ok = 0;
     }
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     {
-      std::lock_guard<std::mutex> lk(mu_);
-      active_ = 0;
-      finished_.push_back(r.id);
-      if (finished_.size() > 1024) finished_.erase(finished_.begin(), finished_.begin() + 512);
-      done_.push_back(std::move(r));
+      std::lock_guard<std::mutex> lk(s.mu);
+      s.active = 0;
+      s.finished.push_back(r.id);
+      if (s.finished.size() > 1024) s.finished.erase(s.finished.begin(), s.finished.begin() + 512);
+      s.done.push_back(std::move(r));
     }
-    done_cv_.notify_all();
+    s.done_cv.notify_all();
   }
+  std::lock_guard<std::mutex> lk(s.mu);
+  s.exited = true;
+  s.done_cv.notify_all();
 }
 
 } // namespace mlxfast::io

@@ -5,7 +5,13 @@
 // the buffers become MLX arrays without a copy (array(void*, shape, dtype,
 // deleter)). The header checksum, namespace, layout, key and size are always
 // checked; the data checksum when verify is set. A job stops at the first bad
-// or missing file: later blocks of a chain are useless without it.
+// or missing file: later blocks of a chain are useless without it. Files are
+// opened relative to the directory's fd with O_NOFOLLOW | O_NONBLOCK and read
+// only when fstat says they are regular files of ours (kv_file.h).
+//
+// The thread owns its state together with this object (shared_ptr): close()
+// waits a bounded time, then detaches a thread stuck in a read (a hung disk),
+// which frees the state itself once the read returns. Nothing waits forever.
 #pragma once
 
 #include <condition_variable>
@@ -53,7 +59,8 @@ class KVReader {
   // Wait until job `id` (or, with id 0, every job) is done.
   bool wait(uint64_t id, double timeout_s);
   uint64_t pending();
-  void close();
+  // Stop the thread; false when it did not finish within timeout_s (detached).
+  bool close(double timeout_s = 5.0);
 
  private:
   struct Job {
@@ -64,17 +71,11 @@ class KVReader {
     std::string layout;
     bool verify;
   };
-  void run();
-  void do_read(Job& job, ReadResult& r);
+  struct State;
+  static void run(std::shared_ptr<State> s);
+  static void do_read(State& s, Job& job, ReadResult& r);
 
-  std::string dir_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::deque<Job> queue_;
-  std::vector<ReadResult> done_;
-  uint64_t next_id_ = 1, active_ = 0;
-  std::vector<uint64_t> finished_;
-  bool stop_ = false;
+  std::shared_ptr<State> s_;
   std::thread thread_;
 };
 

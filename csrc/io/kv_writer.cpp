@@ -62,12 +62,33 @@ void lower_this_thread_priority() {
 
 } // namespace
 
+struct KVWriter::State {
+  int dirfd = -1, dir_errno = 0;
+  uint64_t cap;
+  std::mutex mu;
+  std::condition_variable cv, idle_cv;
+  std::deque<Job> queue;
+  std::vector<WriteCompletion> done;
+  WriterStats st;
+  bool paused = false, stop = false, exited = false, in_flight = false, dir_dirty = false;
+  int renames_since_sync = 0;
+  bool idle_locked() const { return queue.empty() && !in_flight && !dir_dirty; }
+  int sync_dir() { return dirfd < 0 ? dir_errno : (::fsync(dirfd) == 0 ? 0 : errno); }
+  ~State() {
+    if (dirfd >= 0) ::close(dirfd);
+  }
+};
+
 KVWriter::KVWriter(std::string dir, uint64_t max_pending_bytes, bool paused)
-    : dir_(std::move(dir)), cap_(max_pending_bytes), paused_(paused) {
-  thread_ = std::thread([this] { run(); });
+    : s_(std::make_shared<State>()) {
+  s_->dirfd = open_dir(dir);
+  s_->dir_errno = s_->dirfd < 0 ? errno : 0;
+  s_->cap = max_pending_bytes;
+  s_->paused = paused;
+  thread_ = std::thread(run, s_);
 }
 
-KVWriter::~KVWriter() { close(false, 30.0); }
+KVWriter::~KVWriter() { close(false, 5.0); }
 
 uint64_t KVWriter::submit(const std::vector<std::string>& names, const std::vector<std::string>& keys,
                           const std::vector<uint32_t>& tokens, uint64_t ns_hash,
@@ -77,6 +98,9 @@ uint64_t KVWriter::submit(const std::vector<std::string>& names, const std::vect
   if (keys.size() != n || tokens.size() != n)
     throw std::invalid_argument("[mlxfast.KVWriter] names, keys and tokens differ in length");
   if (layout.size() > kMaxLayout) throw std::invalid_argument("[mlxfast.KVWriter] layout too long");
+  for (const auto& name : names)
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      throw std::invalid_argument("[mlxfast.KVWriter] a name must be a plain file name");
   if (n == 0) return 0;
   std::vector<size_t> slice(arrays.size());
   for (size_t j = 0; j < arrays.size(); ++j) {
@@ -104,107 +128,114 @@ uint64_t KVWriter::submit(const std::vector<std::string>& names, const std::vect
     }
     job.bytes = kHeaderSize + job.info.data_size;
   }
+  State& s = *s_;
   uint64_t dropped = 0;
   std::vector<Job> evicted;  // destroyed outside the lock
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(s.mu);
     for (auto& job : jobs) {
       // Over the cap: drop the oldest queued writes (never removals).
-      while (st_.pending_bytes + job.bytes > cap_) {
-        auto it = queue_.begin();
-        while (it != queue_.end() && it->remove) ++it;
-        if (it == queue_.end()) break;
-        st_.pending_bytes -= it->bytes;
-        st_.pending_jobs -= 1;
-        st_.dropped += 1;
-        st_.dropped_bytes += it->bytes;
-        done_.push_back({it->name, it->info.key, WriteCompletion::Dropped, 0, it->bytes});
+      while (s.st.pending_bytes + job.bytes > s.cap) {
+        auto it = s.queue.begin();
+        while (it != s.queue.end() && it->remove) ++it;
+        if (it == s.queue.end()) break;
+        s.st.pending_bytes -= it->bytes;
+        s.st.pending_jobs -= 1;
+        s.st.dropped += 1;
+        s.st.dropped_bytes += it->bytes;
+        s.done.push_back({it->name, it->info.key, WriteCompletion::Dropped, 0, it->bytes});
         evicted.push_back(std::move(*it));
-        queue_.erase(it);
+        s.queue.erase(it);
         ++dropped;
       }
-      st_.pending_bytes += job.bytes;
-      st_.pending_jobs += 1;
-      queue_.push_back(std::move(job));
+      s.st.pending_bytes += job.bytes;
+      s.st.pending_jobs += 1;
+      s.queue.push_back(std::move(job));
     }
   }
-  cv_.notify_all();
+  s.cv.notify_all();
   return dropped;
 }
 
 void KVWriter::remove(const std::vector<std::string>& names) {
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(s_->mu);
     for (const auto& n : names) {
       Job job;
       job.remove = true;
       job.name = n;
-      queue_.push_back(std::move(job));
+      s_->queue.push_back(std::move(job));
     }
   }
-  cv_.notify_all();
+  s_->cv.notify_all();
 }
 
 std::vector<WriteCompletion> KVWriter::poll() {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<std::mutex> lk(s_->mu);
   std::vector<WriteCompletion> out;
-  out.swap(done_);
+  out.swap(s_->done);
   return out;
 }
 
 bool KVWriter::wait_idle(double timeout_s) {
-  std::unique_lock<std::mutex> lk(mu_);
+  State& s = *s_;
+  std::unique_lock<std::mutex> lk(s.mu);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  return idle_cv_.wait_until(lk, deadline, [this] { return idle_locked() || stop_; }) &&
-         idle_locked();
+  return s.idle_cv.wait_until(lk, deadline, [&] { return s.idle_locked() || s.stop; }) &&
+         s.idle_locked();
 }
 
 void KVWriter::set_paused(bool paused) {
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    paused_ = paused;
+    std::lock_guard<std::mutex> lk(s_->mu);
+    s_->paused = paused;
   }
-  cv_.notify_all();
+  s_->cv.notify_all();
 }
 
 void KVWriter::set_max_pending_bytes(uint64_t n) {
-  std::lock_guard<std::mutex> lk(mu_);
-  cap_ = n;
+  std::lock_guard<std::mutex> lk(s_->mu);
+  s_->cap = n;
 }
 
 WriterStats KVWriter::stats() {
-  std::lock_guard<std::mutex> lk(mu_);
-  WriterStats s = st_;
-  s.in_flight = in_flight_ ? 1 : 0;
-  return s;
+  std::lock_guard<std::mutex> lk(s_->mu);
+  WriterStats st = s_->st;
+  st.in_flight = s_->in_flight ? 1 : 0;
+  return st;
 }
 
-void KVWriter::close(bool drain, double timeout_s) {
-  if (drain) wait_idle(timeout_s);
-  std::deque<Job> rest;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-    paused_ = false;
-    rest.swap(queue_);
-    for (auto& j : rest) {
-      if (!j.remove) {
-        st_.dropped += 1;
-        st_.dropped_bytes += j.bytes;
-        done_.push_back({j.name, j.info.key, WriteCompletion::Dropped, 0, j.bytes});
-      }
+bool KVWriter::close(bool drain, double timeout_s) {
+  State& s = *s_;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  if (drain && thread_.joinable()) wait_idle(timeout_s);
+  std::deque<Job> rest;  // destroyed outside the lock
+  std::unique_lock<std::mutex> lk(s.mu);
+  s.stop = true;
+  s.paused = false;
+  rest.swap(s.queue);
+  for (auto& j : rest) {
+    if (!j.remove) {
+      s.st.dropped += 1;
+      s.st.dropped_bytes += j.bytes;
+      s.done.push_back({j.name, j.info.key, WriteCompletion::Dropped, 0, j.bytes});
     }
-    st_.pending_jobs = 0;
-    st_.pending_bytes = 0;
   }
-  cv_.notify_all();
-  idle_cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  s.st.pending_jobs = 0;
+  s.st.pending_bytes = 0;
+  s.cv.notify_all();
+  s.idle_cv.notify_all();
+  if (!thread_.joinable()) return s.exited;  // closed before
+  bool exited = s.idle_cv.wait_until(lk, deadline, [&] { return s.exited; });
+  lk.unlock();
+  if (exited)
+    thread_.join();
+  else
+    thread_.detach();
+  return exited;
 }
 
-void KVWriter::do_write(Job& job, WriteCompletion& c) {
-  std::string final_path = dir_ + "/" + job.name;
-  std::string tmp = final_path + "." + std::to_string(::getpid()) + ".tmp";
+void KVWriter::do_write(State& s, Job& job, WriteCompletion& c) {
   c.path = job.name;
   c.key = job.info.key;
   c.bytes = job.bytes;
@@ -217,18 +248,24 @@ void KVWriter::do_write(Job& job, WriteCompletion& c) {
   iov.push_back({hdr.data, kHeaderSize});
   for (size_t j = 0; j < job.ptrs.size(); ++j)
     iov.push_back({const_cast<uint8_t*>(job.ptrs[j]), job.sizes[j]});
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  int err = fd < 0 ? errno : 0;
+  std::string tmp;
+  int fd = -1, err = s.dirfd < 0 ? s.dir_errno : 0;
+  for (int attempt = 0; !err && fd < 0 && attempt < 8; ++attempt) {
+    tmp = random_tmp_name(job.name);
+    fd = ::openat(s.dirfd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && errno != EEXIST) err = errno;
+  }
+  if (!err && fd < 0) err = EEXIST;
   if (!err) err = write_all(fd, iov);
   if (!err) {
     err = ::fdatasync(fd) == 0 ? 0 : errno;
-    std::lock_guard<std::mutex> lk(mu_);
-    st_.file_syncs += 1;
+    std::lock_guard<std::mutex> lk(s.mu);
+    s.st.file_syncs += 1;
   }
   if (fd >= 0 && ::close(fd) != 0 && !err) err = errno;
-  if (!err && ::rename(tmp.c_str(), final_path.c_str()) != 0) err = errno;
+  if (!err && ::renameat(s.dirfd, tmp.c_str(), s.dirfd, job.name.c_str()) != 0) err = errno;
   if (err) {
-    ::unlink(tmp.c_str());
+    if (fd >= 0) ::unlinkat(s.dirfd, tmp.c_str(), 0);  // ours: created with O_EXCL
     c.status = WriteCompletion::Failed;
     c.err = err;
   } else {
@@ -236,43 +273,45 @@ void KVWriter::do_write(Job& job, WriteCompletion& c) {
   }
 }
 
-void KVWriter::run() {
+void KVWriter::run(std::shared_ptr<State> sp) {
+  State& s = *sp;
   lower_this_thread_priority();
   for (;;) {
     Job job;
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [this] { return stop_ || (!paused_ && !queue_.empty()) ||
-                                   (!paused_ && queue_.empty() && dir_dirty_); });
-      if (stop_ && queue_.empty()) {
-        if (dir_dirty_) {
+      std::unique_lock<std::mutex> lk(s.mu);
+      s.cv.wait(lk, [&] { return s.stop || (!s.paused && !s.queue.empty()) ||
+                                 (!s.paused && s.queue.empty() && s.dir_dirty); });
+      if (s.stop && s.queue.empty()) {
+        if (s.dir_dirty) {
           lk.unlock();
-          fsync_dir(dir_);
+          s.sync_dir();
           lk.lock();
-          dir_dirty_ = false;
-          st_.dir_syncs += 1;
+          s.dir_dirty = false;
+          s.st.dir_syncs += 1;
         }
-        idle_cv_.notify_all();
+        s.exited = true;
+        s.idle_cv.notify_all();
         return;
       }
-      if (queue_.empty()) {  // renames waiting for their directory sync
+      if (s.queue.empty()) {  // renames waiting for their directory sync
         lk.unlock();
-        int e = fsync_dir(dir_);
+        int e = s.sync_dir();
         lk.lock();
-        if (e) st_.last_errno = e;
-        st_.dir_syncs += 1;
-        dir_dirty_ = false;
-        renames_since_sync_ = 0;
-        idle_cv_.notify_all();
+        if (e) s.st.last_errno = e;
+        s.st.dir_syncs += 1;
+        s.dir_dirty = false;
+        s.renames_since_sync = 0;
+        s.idle_cv.notify_all();
         continue;
       }
-      job = std::move(queue_.front());
-      queue_.pop_front();
+      job = std::move(s.queue.front());
+      s.queue.pop_front();
       if (!job.remove) {
-        st_.pending_bytes -= job.bytes;
-        st_.pending_jobs -= 1;
+        s.st.pending_bytes -= job.bytes;
+        s.st.pending_jobs -= 1;
       }
-      in_flight_ = true;
+      s.in_flight = true;
     }
     WriteCompletion c;
     auto t0 = std::chrono::steady_clock::now();
@@ -280,40 +319,40 @@ void KVWriter::run() {
     if (job.remove) {
       c.path = job.name;
       c.status = WriteCompletion::Removed;
-      if (::unlink((dir_ + "/" + job.name).c_str()) != 0 && errno != ENOENT) c.err = errno;
+      if (s.dirfd >= 0 && ::unlinkat(s.dirfd, job.name.c_str(), 0) != 0 && errno != ENOENT) c.err = errno;
     } else {
-      do_write(job, c);
+      do_write(s, job, c);
     }
     job = Job();  // release the block data before taking the lock
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     {
-      std::lock_guard<std::mutex> lk(mu_);
-      in_flight_ = false;
-      st_.write_seconds += dt;
+      std::lock_guard<std::mutex> lk(s.mu);
+      s.in_flight = false;
+      s.st.write_seconds += dt;
       if (c.status == WriteCompletion::Written) {
-        st_.written += 1;
-        st_.written_bytes += c.bytes;
-        dir_dirty_ = true;
-        sync_now = ++renames_since_sync_ >= kRenamesPerDirSync;
+        s.st.written += 1;
+        s.st.written_bytes += c.bytes;
+        s.dir_dirty = true;
+        sync_now = ++s.renames_since_sync >= kRenamesPerDirSync;
       } else if (c.status == WriteCompletion::Failed) {
-        st_.failed += 1;
-        st_.last_errno = c.err;
+        s.st.failed += 1;
+        s.st.last_errno = c.err;
       } else if (c.status == WriteCompletion::Removed) {
-        st_.removed += 1;
-        dir_dirty_ = true;
+        s.st.removed += 1;
+        s.dir_dirty = true;
       }
-      done_.push_back(std::move(c));
-      if (idle_locked()) idle_cv_.notify_all();  // e.g. after a failed write
+      s.done.push_back(std::move(c));
+      if (s.idle_locked()) s.idle_cv.notify_all();  // e.g. after a failed write
     }
     if (sync_now) {
-      int e = fsync_dir(dir_);
-      std::lock_guard<std::mutex> lk(mu_);
-      if (e) st_.last_errno = e;
-      st_.dir_syncs += 1;
-      renames_since_sync_ = 0;
+      int e = s.sync_dir();
+      std::lock_guard<std::mutex> lk(s.mu);
+      if (e) s.st.last_errno = e;
+      s.st.dir_syncs += 1;
+      s.renames_since_sync = 0;
       // still dirty only if more renames happened meanwhile (none: one thread)
-      dir_dirty_ = false;
-      if (idle_locked()) idle_cv_.notify_all();
+      s.dir_dirty = false;
+      if (s.idle_locked()) s.idle_cv.notify_all();
     }
   }
 }

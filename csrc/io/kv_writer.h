@@ -8,11 +8,19 @@
 // never a wrong answer). Every write is tmp file -> fdatasync -> rename; the
 // directory is fsynced after a run of renames and always before the writer
 // reports itself idle, so wait_idle() returning true means durable.
+//
+// The directory may be shared (kv_file.h): everything is done relative to
+// its fd; the tmp file is created O_CREAT | O_EXCL | O_NOFOLLOW under a random
+// name (a planted file or symlink is never written through), mode 0600; the
+// rename replaces whatever sits at the final name, never following a link.
+// As in KVReader, the thread shares its state with this object, so close()
+// is bounded: a thread stuck on a hung disk is detached, not waited for.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -63,8 +71,9 @@ class KVWriter {
   void set_paused(bool paused);
   void set_max_pending_bytes(uint64_t n);
   WriterStats stats();
-  // Stop the thread; drain=false drops what is still queued.
-  void close(bool drain, double timeout_s);
+  // Stop the thread within timeout_s (drain=true first waits for the queue,
+  // drain=false drops it); false when the thread had to be detached.
+  bool close(bool drain, double timeout_s);
 
  private:
   struct Job {
@@ -76,19 +85,11 @@ class KVWriter {
     std::vector<size_t> sizes;
     uint64_t bytes = 0;
   };
-  void run();
-  void do_write(Job& job, WriteCompletion& c);
-  bool idle_locked() const { return queue_.empty() && !in_flight_ && !dir_dirty_; }
+  struct State;
+  static void run(std::shared_ptr<State> s);
+  static void do_write(State& s, Job& job, WriteCompletion& c);
 
-  std::string dir_;
-  uint64_t cap_;
-  std::mutex mu_;
-  std::condition_variable cv_, idle_cv_;
-  std::deque<Job> queue_;
-  std::vector<WriteCompletion> done_;
-  WriterStats st_;
-  bool paused_ = false, stop_ = false, in_flight_ = false, dir_dirty_ = false;
-  int renames_since_sync_ = 0;
+  std::shared_ptr<State> s_;
   std::thread thread_;
 };
 

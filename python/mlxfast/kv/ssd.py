@@ -34,6 +34,14 @@ from there.
 Two servers on one directory: an exclusive ``flock`` on ``DIR/lock``. The
 second server logs a warning and runs RAM-only (the lock dies with its
 process, so a crash never leaves a stale lock).
+
+The directory may be a shared place where others plant files: no file in it
+is opened through a symlink (``O_NOFOLLOW``), readers open with
+``O_NONBLOCK`` and read only regular files of this user, temp files are new
+(``O_CREAT | O_EXCL``, random names) and the namespace directories are ours,
+mode 0700. A directory others can change is warned about at start-up. A
+restore that does not finish within ``restore_timeout_s`` (a hung disk) is
+abandoned and the prompt computed; closing never waits for a stuck thread.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import fcntl
 import hashlib
 import logging
 import os
+import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -61,6 +71,77 @@ WRITTEN, DROPPED, FAILED, REMOVED = 0, 1, 2, 3
 
 class SSDUnavailable(RuntimeError):
     """The SSD tier cannot run here (directory locked by another server, unwritable)."""
+
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _warn_if_shared(root: Path) -> None:
+    st = os.stat(root)
+    why = []
+    if st.st_uid != os.geteuid():
+        why.append(f"owned by uid {st.st_uid}")
+    if st.st_mode & 0o022:
+        why.append("group- or world-writable")
+    if why:
+        log.warning("ssd cache: %s is %s: others can remove or replace what is in it (their files are "
+                    "never followed or read, but the cache can be lost); a private directory (mode 0700) "
+                    "is safer", root, " and ".join(why))
+
+
+def _open_lock(rootfd: int, path: Path) -> int:
+    try:
+        fd = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o600, dir_fd=rootfd)
+    except OSError as e:
+        why = "is a symbolic link" if e.errno == errno_mod.ELOOP else f"cannot be opened: {e.strerror}"
+        raise SSDUnavailable(f"{path} {why}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise SSDUnavailable(f"{path} is not a regular file of this user")
+    return fd
+
+
+def _open_own_dir(parentfd: int, name: str, path: Path) -> int:
+    """``name`` in parentfd: created 0700 if missing, refused unless it is a real
+    directory (not a symlink) of this user."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parentfd)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=parentfd)
+    except OSError as e:
+        if e.errno in (errno_mod.ELOOP, errno_mod.ENOTDIR):
+            raise SSDUnavailable(f"{path} is not a directory (a symbolic link?)") from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise SSDUnavailable(f"{path} is owned by uid {st.st_uid}, not by this user")
+    if st.st_mode & 0o077:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _new_file(dirfd: int, name: str, data: bytes = b"") -> None:
+    """Create ``name`` in dirfd (it must not exist: never written through)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=dirfd)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _replace_file(dirfd: int, name: str, data: bytes) -> None:
+    """Write ``name`` atomically; the rename replaces a planted symlink, never follows it."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    _new_file(dirfd, tmp, data)
+    try:
+        os.replace(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    except OSError:
+        os.unlink(tmp, dir_fd=dirfd)
+        raise
 
 
 def _dtype_name(dt) -> str:
@@ -112,7 +193,8 @@ class SSDTier:
     def __init__(self, root: str | os.PathLike, namespace: str, pool, allocator, *,
                  max_bytes: int = 32 << 30, verify: bool = True, demote_idle_s: float | None = None,
                  debounce_s: float = 1.0, max_pending_bytes: int = 256 << 20,
-                 busy_write_bytes: int = 8 << 20, busy_write_interval_s: float = 0.25):
+                 busy_write_bytes: int = 8 << 20, busy_write_interval_s: float = 0.25,
+                 restore_timeout_s: float = 30.0):
         self.root = Path(root)
         self.pool = pool
         self.alloc = allocator
@@ -122,22 +204,7 @@ class SSDTier:
         self.demote_idle_s = demote_idle_s
         self.debounce_s = debounce_s
         self.busy_write_interval_s = busy_write_interval_s
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise SSDUnavailable(f"cannot use {self.root}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock_fd)
-            raise SSDUnavailable(f"{self.root} is in use by another server (flock on {self.root / 'lock'})") \
-                from None
-        try:
-            os.ftruncate(self._lock_fd, 0)
-            os.write(self._lock_fd, f"{os.getpid()}\n".encode())
-        except OSError:
-            pass
+        self.restore_timeout_s = restore_timeout_s
 
         arrays = pool.arrays()
         self.specs = []
@@ -149,17 +216,49 @@ class SSDTier:
         self.layout = scheme + ";" + ";".join(f"{d}:{'x'.join(map(str, s))}" for d, s, _ in self.specs)
         self.namespace = f"{namespace}|{self.layout}"
         self.ns_hash = _ext.xxh64(self.namespace.encode())
-        self.dir = self.root / f"ns-{self.ns_hash:016x}"
+        ns_name = f"ns-{self.ns_hash:016x}"
+        self.dir = self.root / ns_name
         self.qdir = self.root / "quarantine"
+
         try:
-            self.dir.mkdir(exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}.tmp"
-            probe.write_bytes(b"")
-            probe.unlink()
-            (self.root / f"ns-{self.ns_hash:016x}.txt").write_text(self.namespace + "\n")
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            rootfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path
         except OSError as e:
+            raise SSDUnavailable(f"cannot use {self.root}: {e.strerror or e}") from None
+        try:
+            _warn_if_shared(self.root)
+            self._lock_fd = _open_lock(rootfd, self.root / "lock")
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+                raise SSDUnavailable(f"{self.root} is in use by another server "
+                                     f"(flock on {self.root / 'lock'})") from None
+            try:
+                os.ftruncate(self._lock_fd, 0)
+                os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+            except OSError:
+                pass
+            try:
+                nsfd = _open_own_dir(rootfd, ns_name, self.dir)
+                try:
+                    probe = f".probe.{secrets.token_hex(8)}.tmp"
+                    _new_file(nsfd, probe)
+                    os.unlink(probe, dir_fd=nsfd)
+                finally:
+                    os.close(nsfd)
+            except OSError as e:
+                raise SSDUnavailable(f"cannot write to {self.dir}: {e.strerror or e}") from None
+            try:
+                _replace_file(rootfd, ns_name + ".txt", (self.namespace + "\n").encode())
+            except OSError as e:  # a description for people; the tier works without it
+                log.warning("ssd cache: cannot write %s: %s", self.root / (ns_name + ".txt"), e.strerror or e)
+        except BaseException:
             self._unlock()
-            raise SSDUnavailable(f"cannot write to {self.dir}: {e.strerror or e}") from None
+            raise
+        finally:
+            os.close(rootfd)
 
         t0 = time.perf_counter()
         entries, self.tmp_removed, quarantined, reasons = _ext.kv_scan(
@@ -181,6 +280,7 @@ class SSDTier:
         self.dirty: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # key -> (block, registered at)
         self.evicted: list[tuple[int, bytes]] = []  # blocks to spill before they are overwritten
         self.restoring: dict[int, list] = {}  # read job id -> [seq, held blocks, keys, t0, cancelled]
+        self.abandoned: set[int] = set()  # read jobs past restore_timeout_s, still in the reader
         self.holds: list[tuple[object, list[int]]] = []  # (seq, blocks) held until admitted
         self.busy_write_blocks = max(1, busy_write_bytes // self.block_bytes)
         self.busy_write_bytes = busy_write_bytes
@@ -194,7 +294,8 @@ class SSDTier:
         self.counters = {
             "restores": 0, "restored_blocks": 0, "restored_bytes": 0, "restore_seconds": 0.0,
             "restore_read_seconds": 0.0, "restore_copy_seconds": 0.0, "read_bytes": 0,
-            "restore_failures": 0, "submit_seconds": 0.0, "spilled_blocks": 0, "write_behind_blocks": 0, "demoted_blocks": 0,
+            "restore_failures": 0, "restore_timeouts": 0, "submit_seconds": 0.0, "spilled_blocks": 0,
+            "write_behind_blocks": 0, "demoted_blocks": 0,
             "evicted_files": 0, "written_blocks": 0, "dropped_writes": 0, "failed_writes": 0,
         }
         self._failed_at_flush = 0
@@ -316,7 +417,7 @@ class SSDTier:
         while k < limit and seq.hashes[k] in self.index:
             k += 1
         k = min(k, r + max(0, self.alloc.num_free - 1))
-        if k == r:
+        if k == r or self.abandoned:  # a read is stuck (hung disk?): compute until it returns
             return False
         held = self.alloc.match_prefix(seq.hashes[:r])
         if len(held) != r:  # cannot happen (r was measured just now); be safe
@@ -378,8 +479,27 @@ class SSDTier:
             self.counters["restored_bytes"] += nbytes * n // max(1, n_ok)
             self.counters["restore_seconds"] += time.monotonic() - t0
         del arrays
+        self._hand_back(seq, held, add)
+
+    def _hand_back(self, seq, held, add) -> None:
+        """The sequence goes to the scheduler, its prefix blocks held until it is admitted."""
         self.holds.append((seq, held))
         add(seq)
+
+    def _expire_restores(self, add) -> None:
+        """Give up on reads older than restore_timeout_s: those prompts are computed;
+        the read's result, if it ever comes, is dropped."""
+        now = time.monotonic()
+        for job, (seq, held, _keys, t0, cancelled) in list(self.restoring.items()):
+            if now - t0 < self.restore_timeout_s:
+                continue
+            del self.restoring[job]
+            self.abandoned.add(job)
+            self.counters["restore_timeouts"] += 1
+            log.warning("ssd cache: a block read has taken over %.0fs (slow or hung disk?); computing "
+                        "the prompt instead, no restores until it returns", self.restore_timeout_s)
+            if not cancelled:
+                self._hand_back(seq, held, add)
 
     def release_holds(self) -> None:
         """After a schedule: drop the references that kept restored blocks for
@@ -399,8 +519,8 @@ class SSDTier:
         """Something to do right now (the engine should not sleep)."""
         if self._flush_req.is_set():
             return True
-        if self.restoring and self.reader.pending() < len(self.restoring):
-            return True
+        if self.restoring and self.reader.pending() < len(self.restoring) + len(self.abandoned):
+            return True  # a result is waiting
         return False
 
     def wait_timeout(self) -> float | None:
@@ -408,6 +528,8 @@ class SSDTier:
         t = []
         if self.restoring:
             t.append(0.002)
+        elif self.abandoned:
+            t.append(0.5)
         if self.dirty:
             _, ts = next(iter(self.dirty.values()))
             t.append(max(0.001, ts + self.debounce_s - time.monotonic()))
@@ -421,9 +543,13 @@ class SSDTier:
         """Engine thread, each loop iteration: completions, restores, write-behind,
         demotion, flush requests. ``add(seq)`` hands a restored sequence to the scheduler."""
         self._poll_writes()
-        if self.restoring:
+        if self.restoring or self.abandoned:
             for res in self.reader.poll():
-                self._finish_restore(res, add)
+                if res[0] in self.abandoned:
+                    self.abandoned.discard(res[0])
+                else:
+                    self._finish_restore(res, add)
+            self._expire_restores(add)
         now = time.monotonic()
         if self._flush_req.is_set():
             self._flush_req.clear()
@@ -523,14 +649,21 @@ class SSDTier:
         }
 
     def close(self, timeout: float = 30.0) -> bool:
-        """Wait up to ``timeout`` for queued writes to become durable, then stop."""
-        t0 = time.monotonic()
-        ok = bool(self.writer.wait_idle(timeout)) if timeout > 0 else False
+        """Wait up to ``timeout`` for queued writes to become durable, then stop.
+        Bounded: a thread stuck on the disk is left behind, not waited for."""
+        deadline = time.monotonic() + max(0.0, timeout)
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        ok = bool(self.writer.wait_idle(left())) if timeout > 0 else False
         if ok:  # the last writes may push the files over the cap: trim, wait for the unlinks
             self._poll_writes()
-            self.writer.wait_idle(max(1.0, timeout - (time.monotonic() - t0)))
-        self.writer.close(False, 5.0)
-        self.reader.close()
+            self.writer.wait_idle(left())
+        stopped = self.writer.close(False, max(0.2, left()))
+        stopped = self.reader.close(0.5) and stopped  # a restore is of no use now
+        if not stopped:
+            log.warning("ssd cache: an I/O thread did not stop (slow or hung disk?); not waiting for it")
         self._poll_writes_final()
         self._unlock()
         return ok
@@ -569,7 +702,8 @@ def open_tier(cfg, namespace: str, pool, allocator, model=None, tokenizer=None):
     try:
         return SSDTier(root, "|".join(parts), pool, allocator,
                        max_bytes=int(cfg.ssd_cache_max_gb * (1 << 30)), verify=cfg.ssd_cache_verify,
-                       demote_idle_s=cfg.ssd_demote_idle_s)
+                       demote_idle_s=cfg.ssd_demote_idle_s,
+                       restore_timeout_s=getattr(cfg, "ssd_restore_timeout_s", 30.0))
     except SSDUnavailable as e:
         log.warning("ssd cache disabled, serving from RAM only: %s", e)
         return None
