@@ -28,6 +28,8 @@ from mlxfast import ops
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
+API_KEY_B = "test-key-b"
+ORIGIN_B = "http://localhost:3000"
 CPU_PATHS = [p for p in ("portable", "avx2", "avx512", "neon") if ops.cpu_supports(p)]
 
 
@@ -89,6 +91,29 @@ def server():
     try:
         wait_healthy(url, proc)
         yield Server(url, API_KEY, proc)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server_b():
+    """A second real server with the options the default one leaves off:
+    CORS origins, /metrics behind the key, strict model names with aliases,
+    a 16 MB body cap."""
+    port = free_port()
+    proc = start_server(port, "--api-key", API_KEY_B, "--max-body-mb", "16", "--max-tokens", "4",
+                        "--max-model-len", "256", "--metrics-require-key", "--strict-model-name",
+                        "--served-model-name", "smol", "smol-alias",
+                        "--allowed-origins", f"{ORIGIN_B}, http://other-allowed.example")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield Server(url, API_KEY_B, proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -62,7 +62,7 @@ def test_image_part_says_text_only(server):
 
 
 def test_completion_bad_requests(server):
-    assert_openai_error(post(server, "/v1/completions", {"prompt": ["a", "b"]}), 400, "prompt")
+    assert_openai_error(post(server, "/v1/completions", {"prompt": ["a", ""]}), 400, "prompt")  # an empty one
     assert_openai_error(post(server, "/v1/completions", {"prompt": [10 ** 9]}), 400, "prompt")
     assert_openai_error(post(server, "/v1/completions", {"prompt": "x", "logprobs": 50}), 400, "logprobs")
     assert_openai_error(post(server, "/v1/completions", {"max_tokens": 3}), 400, "prompt")

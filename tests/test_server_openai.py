@@ -254,7 +254,7 @@ def test_tool_calls_forced_and_round_trip(openai_client):
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"temperature": 5}, "temperature"),
     ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),

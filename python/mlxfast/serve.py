@@ -4,7 +4,9 @@ The port is bound first (a taken port is a one-line error, exit 1), then the
 server answers at once (``/health`` is 503 while the model loads) and the
 model loads in the background. SIGINT/SIGTERM stop accepting connections,
 let in-flight requests finish for up to ``--shutdown-timeout`` seconds,
-abort the rest, and exit 0.
+abort the rest, and exit 0. The exit is bounded: pending SSD cache writes get
+what is left of that time, and a watchdog ends the process shortly after the
+deadline whatever a thread is stuck on (a hung disk).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -20,11 +24,32 @@ import threading
 import time
 from pathlib import Path
 
+EXIT_GRACE_S = 2.0  # past --shutdown-timeout, the watchdog ends the process
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return tuple(o.strip() for o in value if o.strip())
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxfast serve", description="OpenAI- and Anthropic-compatible LLM server.")
     p.add_argument("--model", default=None, help="HF/MLX directory or GGUF file (default: built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="model name reported by the API")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name reported by the API, then any aliases it also answers to")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="a request naming a model not served here is a 404 (default: served by this model)")
+    p.add_argument("--keep-billing-header", action="store_true",
+                   help="keep Claude Code's per-request 'x-anthropic-billing-header:' line in system "
+                        "prompts (by default it is cut so the cached system prompt is reused every turn)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=None,
@@ -41,19 +66,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
+    p.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
+                   help="browser origins allowed to call the API (CORS), comma-separated or a JSON "
+                        "list as vLLM takes it, e.g. 'http://localhost:3000' or '[\"*\"]'; default none")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="require --api-key on /metrics too (open by default, as vLLM's)")
+    p.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="abort a request whose client has read none of its output for this long")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+                   help="on SIGINT/SIGTERM, in-flight requests get this many seconds to finish, then pending "
+                        "SSD cache writes get what is left; the process exits at most 2 s after that")
     p.add_argument("--ssd-cache", default=None, metavar="DIR",
-                   help="keep prefix-cache KV blocks on disk in DIR (survives restarts; off by default)")
+                   help="keep prefix-cache KV blocks on disk in DIR (survives restarts; off by default). "
+                        "Best a private directory: one that others can write to is warned about")
     p.add_argument("--ssd-cache-max", type=float, default=32.0, metavar="GB",
                    help="byte cap of the SSD cache in GiB (oldest used blocks evicted)")
     p.add_argument("--ssd-demote-idle", type=float, default=None, metavar="SECONDS",
                    help="move cached blocks unused this long to the SSD cache and free their RAM")
     p.add_argument("--ssd-cache-verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check every restored block's data checksum (default on: a flipped "
-                        "data byte must never be served; headers are always checked)")
+                        "data byte must never be served; headers are always checked). "
+                        "--no-ssd-cache-verify trusts the directory's contents")
     p.add_argument("--ssd-flush-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on shutdown, wait this long for pending SSD cache writes")
+                   help="on shutdown, wait at most this long for pending SSD cache writes "
+                        "(within --shutdown-timeout)")
+    p.add_argument("--ssd-restore-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a restore from the SSD cache not done within this time (a slow or hung "
+                        "disk) is abandoned and the prompt computed")
     return p
 
 
@@ -83,19 +122,21 @@ def _bind(host: str, port: int) -> socket.socket:
 def _engine_config(args):
     from .engine.config import EngineConfig
 
-    wanted = {"max_num_seqs": args.max_batch, "kv_cache_gb": args.kv_cache_gb,
+    wanted = {"stream_stall_timeout_s": args.stream_stall_timeout, "max_num_seqs": args.max_batch,
+              "kv_cache_gb": args.kv_cache_gb,
               "max_model_len": args.max_model_len, "kv_quant": args.kv_quant,
               "kv_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
               "ssd_cache_dir": args.ssd_cache, "ssd_cache_max_gb": args.ssd_cache_max,
               "ssd_demote_idle_s": args.ssd_demote_idle, "ssd_cache_verify": args.ssd_cache_verify,
-              "ssd_flush_timeout_s": args.ssd_flush_timeout}
+              "ssd_flush_timeout_s": args.ssd_flush_timeout,
+              "ssd_restore_timeout_s": args.ssd_restore_timeout}
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
 
 
 def _model_name(args) -> str:
     if args.served_model_name:
-        return args.served_model_name
+        return args.served_model_name[0]
     if args.model is None:
         return "SmolLM2-135M-Instruct"
     path = Path(args.model)
@@ -115,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         model_name=_model_name(args), api_key=args.api_key, default_max_tokens=args.max_tokens,
         default_temperature=args.temp, default_top_p=args.top_p, default_top_k=args.top_k,
-        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        max_body_bytes=int(args.max_body_mb * (1 << 20)), metrics_require_key=args.metrics_require_key,
+        allowed_origins=args.allowed_origins, strict_model_name=args.strict_model_name,
+        model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+        keep_billing_header=args.keep_billing_header,
     )
     if args.max_tokens < 1:
         return _fail("--max-tokens must be at least 1")
@@ -151,12 +195,29 @@ def main(argv: list[str] | None = None) -> int:
         def handle_exit(self, sig, frame):
             if state.status == "ready":
                 state.status = "stopping"
+            start_deadline()
             super().handle_exit(sig, frame)
 
     server = Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
     exit_code = [0]
+    deadline: list[float] = []  # when the process must be gone, from the first stop request
+    finished = threading.Event()
+
+    def start_deadline():
+        if deadline:
+            return
+        deadline.append(time.monotonic() + args.shutdown_timeout)
+
+        def watchdog():
+            if not finished.wait(args.shutdown_timeout + EXIT_GRACE_S):
+                print("mlxfast: warning: shutdown did not finish in time; exiting now",
+                      file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(exit_code[0])
+
+        threading.Thread(target=watchdog, name="mlxfast-exit-watchdog", daemon=True).start()
 
     def load():
         try:
@@ -189,16 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if state.status == "ready":
             state.status = "stopping"
+        start_deadline()
         engine = state.engine
         if engine is not None:
-            try:
-                engine.shutdown(timeout=args.shutdown_timeout)
+            left = max(0.0, deadline[0] - time.monotonic())
+            cfg = getattr(engine, "config", None)
+            if getattr(cfg, "ssd_cache_dir", None):  # the engine then waits for SSD writes: fit them in
+                cfg.ssd_flush_timeout_s = min(cfg.ssd_flush_timeout_s, left)
+            try:  # the engine thread stops in milliseconds; give it a second even past the deadline
+                engine.shutdown(timeout=max(1.0, left))
             except TypeError:
-                engine.shutdown(args.shutdown_timeout)
+                engine.shutdown(max(1.0, left))
             except Exception as e:  # never a traceback on the way out
                 print(f"mlxfast: warning: engine shutdown: {e}", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
             sock.close()
+        finished.set()
     if exit_code[0] == 0:
         _say("stopped")
     return exit_code[0]

@@ -6,6 +6,17 @@ zero or more ``TokenEvent`` then exactly one ``FinishEvent``. Text in
 ``TokenEvent.text`` is already detokenized incrementally (never a broken
 UTF-8 character) and never contains a stop string or anything after it.
 ``engine.abort(request_id)`` ends a request early (client disconnect).
+
+Prompt log-probabilities: with ``SamplingParams.prompt_logprobs = k`` the
+engine computes every prompt position (it takes no prefix-cache hits for the
+prompt) and the request's first event (its first ``TokenEvent``, or its
+``FinishEvent`` when no token comes: ``max_tokens == 0``, an immediate stop)
+carries ``prompt_logprobs``: one entry per prompt token, ``None`` for the
+first, then a ``PromptLogprob`` scoring token i under the model's raw
+distribution given tokens < i. No other event carries it; a request that
+ends before its prompt is computed (abort, error) gets none.
+``max_tokens == 0`` is allowed only with ``prompt_logprobs``: the prompt is
+scored, nothing is generated, finish_reason is "length".
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
+    prompt_logprobs: int | None = None  # score the prompt, k (0..20) best alternatives per position
     # Structured output: a zero-argument factory returning a fresh
     # llguidance.LLMatcher for this request (None = unconstrained).
     grammar: Callable[[], Any] | None = None
@@ -48,11 +60,22 @@ class Request:
 
 
 @dataclass
+class PromptLogprob:
+    """One prompt token's score, from the log-softmax of the raw logits (as the
+    sampler's logprobs for generated tokens)."""
+
+    logprob: float  # log P(token_i | tokens_<i)
+    rank: int  # tokens at least as likely, itself included (vLLM's rank; 1 = the argmax)
+    top_logprobs: list[tuple[int, float]]  # the k best (token id, logprob), best first
+
+
+@dataclass
 class TokenEvent:
     token_id: int
     text: str  # new text this token made final (may be "")
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # first event only (see above)
 
 
 @dataclass
@@ -65,6 +88,7 @@ class FinishEvent:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     error: str | None = None  # message when finish_reason == "error"
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # when it is the first event
 
 
 class EngineDead(RuntimeError):

@@ -11,6 +11,10 @@ class EngineConfig:
     max_num_seqs: int = 8  # running sequences per step (vLLM --max-num-seqs)
     max_num_batched_tokens: int = 512  # per-step token budget = prefill chunk size
     max_waiting: int = 256  # queued requests beyond which submit raises EngineOverloaded
+    # A request whose client has not read its oldest event for this long, or
+    # has more events unread, is aborted (engine.RequestStream).
+    stream_stall_timeout_s: float = 60.0
+    stream_max_unread: int = 4096
     # KV pool
     block_size: int = 16  # tokens per KV block (see docs/engine notes in kv/block_pool.py)
     num_blocks: int | None = None  # overrides kv_cache_gb when set
@@ -31,3 +35,4 @@ class EngineConfig:
     ssd_demote_idle_s: float | None = None  # spill free cached blocks idle this long, free their RAM
     ssd_cache_verify: bool = True  # check each block's data checksum on restore (header: always)
     ssd_flush_timeout_s: float = 30.0  # on shutdown: wait this long for pending writes
+    ssd_restore_timeout_s: float = 30.0  # a block read not done by then is abandoned (prompt computed)

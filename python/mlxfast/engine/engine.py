@@ -6,10 +6,14 @@ output processing -> events to the asyncio loop of each request via
 ``loop.call_soon_threadsafe``. With nothing to do the thread waits on a
 condition variable.
 
-Failures: an exception that belongs to one request (its grammar, its
-detokenizer) ends that request with ``finish_reason="error"``; anything else
-kills the engine: ``alive`` turns False, ``error`` says why, every queued and
-running request gets an error FinishEvent and ``submit`` raises EngineDead.
+Failures: an exception that belongs to one request (its admission, its
+sampling parameters or grammar, its detokenizer) ends that request with
+``finish_reason="error"`` and is logged with its traceback; the others go
+on. When the batched sampler fails, each row is sampled alone to find the
+rows at fault. Anything else (the model call itself) kills the engine:
+``alive`` turns False, ``error`` says why (logged with the traceback), every
+queued and running request gets an error FinishEvent and ``submit`` raises
+EngineDead.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import bisect
 import dataclasses
 import hashlib
+import logging
 import threading
 import time
 import traceback
@@ -29,8 +34,10 @@ from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Reque
 from .config import EngineConfig
 from .output import OutputProcessor
 from .runner import Runner
-from .sampler import SamplingState, sample
+from .sampler import Sampled, SamplingState, sample, score_tokens
 from .scheduler import Scheduler, Seq
+
+log = logging.getLogger("mlxfast.engine")
 
 # Histogram buckets (seconds), in the style of vLLM's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -63,14 +70,25 @@ class Histogram:
 
 
 class RequestStream:
-    """Async iterator of one request's events: TokenEvent* then one FinishEvent."""
+    """Async iterator of one request's events: TokenEvent* then one FinishEvent.
 
-    def __init__(self, engine: "Engine", request_id: str, loop: asyncio.AbstractEventLoop):
+    Events wait here until the route reads them. A client that stops reading
+    (a stalled socket blocks the route's writes) must not make the server
+    hold its output without bound: when the oldest unread event has waited
+    ``stall_timeout_s`` or more than ``max_unread`` events wait, the request
+    is aborted and the stream ends with an "abort" FinishEvent."""
+
+    def __init__(self, engine: "Engine", request_id: str, loop: asyncio.AbstractEventLoop, *,
+                 stall_timeout_s: float = 60.0, max_unread: int = 4096):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._events: deque = deque()  # (arrival time, event)
+        self._wake = asyncio.Event()
         self._done = False
+        self._cut = False
+        self._stall_timeout_s = stall_timeout_s
+        self._max_unread = max_unread
 
     def __aiter__(self):
         return self
@@ -78,7 +96,10 @@ class RequestStream:
     async def __anext__(self):
         if self._done:
             raise StopAsyncIteration
-        ev = await self._queue.get()
+        while not self._events:
+            self._wake.clear()
+            await self._wake.wait()
+        _, ev = self._events.popleft()
         if isinstance(ev, FinishEvent):
             self._done = True
         return ev
@@ -96,12 +117,25 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
     def _put_all(self, events: list) -> None:
-        for ev in events:
-            self._queue.put_nowait(ev)
+        if self._cut:
+            return
+        now = time.monotonic()
+        self._events.extend((now, ev) for ev in events)
+        self._wake.set()
+        if self._done or isinstance(self._events[-1][1], FinishEvent):
+            return
+        waited = now - self._events[0][0]
+        if len(self._events) > self._max_unread or waited > self._stall_timeout_s:
+            self._cut = True
+            log.warning("request %s: the client read nothing for %.0f s (%d events unread); aborting it",
+                        self.request_id, waited, len(self._events))
+            self._events.clear()
+            self._events.append((now, FinishEvent("abort", error="the client stopped reading")))
+            self._engine.abort(self.request_id)
 
 
 class _ReqState:
-    __slots__ = ("request", "stream", "sampling", "out", "t_submit", "t_last", "events")
+    __slots__ = ("request", "stream", "sampling", "out", "t_submit", "t_last", "events", "prompt_lps")
 
     def __init__(self, request, stream):
         self.request = request
@@ -111,6 +145,7 @@ class _ReqState:
         self.t_submit = time.monotonic()
         self.t_last = None
         self.events = []
+        self.prompt_lps = []  # PromptLogprob of prompt tokens 1.. scored so far
 
 
 class Engine:
@@ -199,7 +234,9 @@ class Engine:
                 f"the prompt has {n} tokens; the context holds {self.max_model_len} "
                 f"(prompt plus at least one generated token)")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request.request_id, loop)
+        stream = RequestStream(self, request.request_id, loop,
+                               stall_timeout_s=self.config.stream_stall_timeout_s,
+                               max_unread=self.config.stream_max_unread)
         with self._cond:
             if len(self._incoming) + len(self.scheduler.waiting) >= self.config.max_waiting:
                 raise EngineOverloaded(f"{self.config.max_waiting} requests are already waiting")
@@ -309,6 +346,7 @@ class Engine:
         self.error = f"{type(e).__name__}: {e}"
         self.alive = False
         self._last_traceback = traceback.format_exc()
+        log.error("the engine stopped: %s\n%s", self.error, self._last_traceback)
         with self._cond:
             self._stopping = True
             pending = list(self._incoming)
@@ -330,30 +368,41 @@ class Engine:
                     del self._states[rid]
 
     def _admit(self, request: Request, stream: RequestStream) -> None:
-        st = _ReqState(request, stream)
         rid = request.request_id
         if rid in self._states:
             stream._deliver([FinishEvent("error", error=f"duplicate request id {rid!r}")])
             return
+        st = _ReqState(request, stream)
         self._states[rid] = st
         self.num_requests_total += 1
+        try:
+            self._admit_seq(request, st)
+        except Exception as e:  # noqa: BLE001  (this request's params, salt, grammar)
+            log.exception("request %s failed at admission", rid)
+            seq = self.scheduler.find(rid)
+            if seq is not None:
+                self.scheduler.finish(seq, "error")
+            if self.ssd is not None:
+                self.ssd.cancel(rid)
+            st.events.append(FinishEvent("error", error=f"{type(e).__name__}: {e}",
+                                         prompt_tokens=len(request.prompt_ids)))
+
+    def _admit_seq(self, request: Request, st: _ReqState) -> None:
         p = request.params
-        seq = Seq(rid, list(request.prompt_ids),
+        seq = Seq(request.request_id, list(request.prompt_ids),
                   max_tokens=min(p.max_tokens, self.max_model_len - len(request.prompt_ids)),
                   stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos),
-                  namespace=f"{self._namespace}|{request.cache_salt}".encode(), data=st)
-        try:
-            st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
-            st.out = OutputProcessor(self.tokenizer, p.stop)
-        except Exception as e:  # noqa: BLE001  (this request's grammar / params)
-            st.events.append(FinishEvent("error", error=str(e), prompt_tokens=seq.prompt_len))
-            return
+                  namespace=f"{self._namespace}|{request.cache_salt}".encode(),
+                  score_prompt=p.prompt_logprobs is not None, data=st)
+        st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
+        st.out = OutputProcessor(self.tokenizer, p.stop)
         self.prompt_tokens_total += seq.prompt_len
-        if seq.max_tokens <= 0:
+        if seq.max_tokens <= 0 and not seq.score_prompt:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
             return
-        if self.ssd is None or not self.ssd.try_restore(seq):  # else: added once its blocks are read
-            self.scheduler.add(seq)
+        # A restore brings prefix-cache hits, which a scored prompt does not take.
+        if self.ssd is None or seq.score_prompt or not self.ssd.try_restore(seq):
+            self.scheduler.add(seq)  # else: added once its blocks are read
 
     def _abort(self, rid: str) -> None:
         st = self._states.get(rid)
@@ -387,14 +436,19 @@ class Engine:
         if not plan.rows:
             raise RuntimeError("scheduler produced an empty step with work pending")
         logits = self.runner.run(plan)
+        for row, scores in logits.scores:
+            self._score_prompt(row, scores)
         rows = plan.sample_rows
-        results = sample(logits, [r.seq.data.sampling for r in rows]) if rows else []
+        results = self._sample(logits.sample, rows) if rows else []
         by_seq = {r.seq: res for r, res in zip(rows, results)}
         updates = sched.update(plan, [res.token for res in results])
         self.num_steps += 1
         now = time.monotonic()
         for u in updates:
             seq, st = u.seq, u.seq.data
+            if u.token is None:  # max_tokens == 0: the prompt is scored, nothing is generated
+                st.events.append(self._finish_event(seq, u.finish_reason))
+                continue
             res = by_seq[seq]
             self.generation_tokens_total += 1
             if st.t_last is None:
@@ -405,8 +459,40 @@ class Engine:
             try:
                 self._emit(seq, st, u, res)
             except Exception as e:  # noqa: BLE001  (this request's output processing)
+                log.exception("request %s failed in output processing", seq.request_id)
                 sched.finish(seq, "error")
                 st.events.append(self._finish_event(seq, "error", error=f"{type(e).__name__}: {e}"))
+        for r in plan.rows:
+            seq = r.seq
+            if seq.score_prompt and r.start + r.n == seq.prompt_len:
+                # The prompt is done this step, so this step's first event is the request's first.
+                seq.score_prompt = False  # a recompute after preemption takes cache hits again
+                if seq.data.events:
+                    seq.data.events[0].prompt_logprobs = [None, *seq.data.prompt_lps]
+
+    def _score_prompt(self, row, logits) -> None:
+        seq, st = row.seq, row.seq.data
+        targets = seq.prompt_ids[row.start + 1:row.start + 1 + logits.shape[0]]
+        del st.prompt_lps[row.start:]  # preempted while scoring: it starts over
+        st.prompt_lps += score_tokens(logits, targets, st.request.params.prompt_logprobs)
+
+    def _sample(self, logits, rows) -> list[Sampled]:
+        """One token per sampled row. A failure of the batched call is
+        attributed by sampling each row alone: a row that fails alone gets an
+        error result (its request ends), the others their tokens."""
+        states = [r.seq.data.sampling for r in rows]
+        try:
+            return sample(logits, states)
+        except Exception:  # noqa: BLE001
+            log.exception("batched sampling failed; sampling %d rows one by one", len(rows))
+        out = []
+        for i, (r, state) in enumerate(zip(rows, states)):
+            try:
+                out.append(sample(logits[i:i + 1], [state])[0])
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed in sampling", r.seq.request_id)
+                out.append(Sampled(0, error=f"sampling failed: {type(e).__name__}: {e}"))
+        return out
 
     def _emit(self, seq: Seq, st: _ReqState, u, res) -> None:
         sched = self.scheduler

@@ -4,17 +4,29 @@ Tokens of every scheduled row are flattened into ``[T, 1]`` (T batch rows of
 length one), positions go to RoPE per token, and the paged context writes
 each token's K/V into its slot and attends it over its own sequence. Logits
 are computed only for rows that sample (the last token of each sequence
-whose chunk reaches its end).
+whose chunk reaches its end) and, for a sequence that scores its prompt
+(``Seq.score_prompt``), for each position of its chunk that predicts a
+prompt token: at most one chunk's worth of vocabulary rows per such row.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from ..kv.block_pool import KVPool
 from ..kv.paged import PagedContext, SeqSlice
-from .scheduler import StepPlan
+from .scheduler import Row, StepPlan
+
+
+@dataclass
+class StepLogits:
+    sample: mx.array | None  # [len(plan.sample_rows), V] (lazy); None when nothing samples
+    # (row, logits [m, V]): positions row.start .. row.start + m - 1, which
+    # predict prompt tokens row.start + 1 .. row.start + m
+    scores: list[tuple[Row, mx.array]] = field(default_factory=list)
 
 
 class Runner:
@@ -23,21 +35,33 @@ class Runner:
         self.pool = pool
         self.native = native
 
-    def run(self, plan: StepPlan) -> mx.array | None:
-        """Logits ``[len(plan.sample_rows), V]`` (lazy), or None when nothing samples
-        (then the KV writes are evaluated here)."""
+    def run(self, plan: StepPlan) -> StepLogits:
+        """The step's logits (lazy). With none to compute, the KV writes are evaluated here."""
         tokens: list[int] = []
         seqs: list[SeqSlice] = []
         logit_rows: list[int] = []
+        sample_at: list[int] = []  # where each sampled row's logits are in logit_rows
+        scored: list[tuple[Row, int, int]] = []  # (row, first index in logit_rows, count)
         for r in plan.rows:
+            base = len(tokens)
             tokens += r.seq.tokens[r.start:r.start + r.n]
             seqs.append(SeqSlice(r.seq.block_table, r.start, r.n))
+            if r.seq.score_prompt:
+                m = min(r.n, r.seq.prompt_len - 1 - r.start)
+                if m > 0:
+                    scored.append((r, len(logit_rows), m))
+                    logit_rows += range(base, base + m)
             if r.sample:
+                sample_at.append(len(logit_rows))
                 logit_rows.append(len(tokens) - 1)
         ctx = PagedContext(self.pool, seqs, native=self.native)
         x = mx.array(np.array(tokens, np.int32)[:, None])  # [T, 1], no Reshape node
         if not logit_rows:
             self.model(x, ctx, logit_rows=mx.array([0], dtype=mx.int32))
             mx.eval(self.pool.arrays())
-            return None
-        return self.model(x, ctx, logit_rows=mx.array(logit_rows, dtype=mx.int32))
+            return StepLogits(None)
+        logits = self.model(x, ctx, logit_rows=mx.array(logit_rows, dtype=mx.int32))
+        if not scored:
+            return StepLogits(logits)
+        sample = logits[mx.array(sample_at, dtype=mx.int32)] if sample_at else None
+        return StepLogits(sample, [(r, logits[i:i + m]) for r, i, m in scored])

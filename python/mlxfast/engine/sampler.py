@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ops
-from .api import SamplingParams
+from .api import PromptLogprob, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 
@@ -51,6 +51,7 @@ class SamplingState:
 
     @classmethod
     def create(cls, params: SamplingParams, tokens: list[int], prompt_len: int):
+        check_params(params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         matcher = params.grammar() if params.grammar is not None else None
         if matcher is not None and matcher.is_error():
@@ -60,6 +61,23 @@ class SamplingState:
     @property
     def step(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+
+
+def check_params(p: SamplingParams) -> None:
+    """Values the native sampler can hold (a ValueError ends only this request)."""
+    if not 0 <= p.top_k < (1 << 31):
+        raise ValueError(f"top_k must be within [0, 2^31), got {p.top_k}")
+    for name in _FLOAT_FIELDS:
+        if not np.isfinite(getattr(p, name)):
+            raise ValueError(f"{name} must be finite, got {getattr(p, name)}")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {p.prompt_logprobs}")
 
 
 @dataclass
@@ -82,10 +100,14 @@ def _grammar_mask(states: list[SamplingState], V: int, errors: list[str | None])
     allowed = np.ones((len(states), V), bool)
     for i in rows:
         m = states[i].matcher
-        if m.is_error():
-            errors[i] = f"grammar error: {m.get_error()}"
+        try:
+            if m.is_error():
+                errors[i] = f"grammar error: {m.get_error()}"
+                continue
+            bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        except Exception as e:  # noqa: BLE001  (this row's grammar; the others go on)
+            errors[i] = f"grammar error: {type(e).__name__}: {e}"
             continue
-        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
         row = np.unpackbits(bits, bitorder="little").astype(bool)
         n = min(V, row.size)
         allowed[i, :n] = row[:n]
@@ -141,8 +163,11 @@ def sample(logits: mx.array, states: list[SamplingState]) -> list[Sampled]:
             pairs = sorted(zip(tops[0][i], tops[1][i]), key=lambda t: -t[1])
             r.top_logprobs = [(int(t), float(v)) for t, v in pairs[:p.top_logprobs]]
         if s.matcher is not None and r.error is None:
-            if not s.matcher.consume_token(r.token) or s.matcher.is_error():
-                r.error = f"grammar error: {s.matcher.get_error() or 'token rejected'}"
+            try:
+                if not s.matcher.consume_token(r.token) or s.matcher.is_error():
+                    r.error = f"grammar error: {s.matcher.get_error() or 'token rejected'}"
+            except Exception as e:  # noqa: BLE001
+                r.error = f"grammar error: {type(e).__name__}: {e}"
         result.append(r)
     return result
 
@@ -180,3 +205,23 @@ def _process(x: mx.array, states, ps, V: int, errors) -> mx.array:
     if allowed is not None:
         x = mx.where(mx.array(allowed), x, -mx.inf)
     return x
+
+
+def score_tokens(logits: mx.array, targets: list[int], k: int) -> list[PromptLogprob]:
+    """Score ``targets[i]`` under row i of ``logits [n, V]`` (the raw
+    log-softmax, as ``sample`` reports): its logprob, its rank and the k best
+    tokens of the row. One ``mx.eval``."""
+    x = logits.astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    tlp = mx.take_along_axis(lp, mx.array(np.array(targets, np.int32))[:, None], axis=-1)
+    outs = [tlp[:, 0], mx.sum(lp >= tlp, axis=-1)]
+    if k > 0:
+        top_idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+        outs += [top_idx, mx.take_along_axis(lp, top_idx, axis=-1)]
+    mx.eval(*outs)
+    lps, ranks = outs[0].tolist(), outs[1].tolist()
+    tops = [[] for _ in targets]
+    if k > 0:
+        tops = [sorted(zip(map(int, ids), map(float, vals)), key=lambda t: -t[1])
+                for ids, vals in zip(outs[2].tolist(), outs[3].tolist())]
+    return [PromptLogprob(float(v), int(r), top) for v, r, top in zip(lps, ranks, tops)]

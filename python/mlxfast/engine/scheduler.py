@@ -17,6 +17,11 @@ back to the head of the queue.
 Token-level stops (EOS / stop ids, max_tokens, the context length) are
 checked here; stop strings need text, so the engine's per-request output
 processor checks them and calls ``finish``.
+
+A sequence that scores its prompt (``score_prompt``: prompt logprobs) needs
+logits at every prompt position, so it takes no prefix-cache hits; with
+``max_tokens == 0`` it samples nothing and finishes ("length") once its
+prompt is computed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Seq:
     max_tokens: int
     stop_ids: frozenset = frozenset()
     namespace: bytes = b""  # prefix-cache namespace (model + scheme + salt)
+    score_prompt: bool = False  # compute every prompt position (no prefix-cache hits)
     data: Any = None  # the engine's per-request state (stream, sampler, detok)
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
@@ -71,7 +77,7 @@ class Row:
     seq: Seq
     start: int  # first position computed this step
     n: int  # tokens computed this step
-    sample: bool  # the chunk reaches the last known token: sample the next one
+    sample: bool  # the chunk reaches the last known token (and max_tokens > 0): sample the next one
 
 
 @dataclass
@@ -91,7 +97,7 @@ class StepPlan:
 @dataclass
 class SeqUpdate:
     seq: Seq
-    token: int
+    token: int | None  # None: finished without sampling (max_tokens == 0)
     finish_reason: str | None = None  # "stop" | "length" when this token ended it
 
 
@@ -178,7 +184,7 @@ class Scheduler:
                 break  # it was the newest: nothing after it remains
             if need > 0:
                 seq.block_table += alloc.allocate(need)
-            plan.rows.append(Row(seq, seq.num_computed, n, seq.num_computed + n == len(seq.tokens)))
+            plan.rows.append(Row(seq, seq.num_computed, n, _samples(seq, seq.num_computed + n)))
             budget -= n
 
         while (self.waiting and budget > 0 and not plan.preempted
@@ -187,7 +193,7 @@ class Scheduler:
             bs = self.block_size
             seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
             # The last token is always computed (its logits are sampled).
-            hit = alloc.match_prefix(seq.hashes[:(len(seq.tokens) - 1) // bs])
+            hit = [] if seq.score_prompt else alloc.match_prefix(seq.hashes[:(len(seq.tokens) - 1) // bs])
             start = len(hit) * bs
             n = min(len(seq.tokens) - start, budget)
             need = alloc.blocks_for(start + n) - len(hit)
@@ -204,7 +210,7 @@ class Scheduler:
                 self.prefix_hits += start
             seq.status = RUNNING
             self.running.append(seq)
-            plan.rows.append(Row(seq, start, n, start + n == len(seq.tokens)))
+            plan.rows.append(Row(seq, start, n, _samples(seq, start + n)))
             budget -= n
         return plan
 
@@ -229,6 +235,9 @@ class Scheduler:
                     self.alloc.register(seq.block_table[b], seq.hashes[b])
                 seq.num_registered = full
             if tok is None:
+                if seq.max_tokens <= 0 and seq.num_computed == len(seq.tokens):
+                    self.finish(seq, "length")
+                    out.append(SeqUpdate(seq, None, "length"))
                 continue
             seq.tokens.append(tok)
             reason = None
@@ -241,3 +250,7 @@ class Scheduler:
                 self.finish(seq, reason)
             out.append(SeqUpdate(seq, tok, reason))
         return out
+
+
+def _samples(seq: Seq, end: int) -> bool:
+    return end == len(seq.tokens) and seq.max_tokens > 0

@@ -9,7 +9,7 @@ import math
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from .common import parse_body
+from .common import off_loop, parse_body
 from .errors import bad_request
 from .metrics import merged_values, render_prometheus
 from .prompts import build_chat_prompt
@@ -96,17 +96,21 @@ async def tokenize(request: Request):
     tok = state.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'")
-    if body.prompt is not None:
-        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-    else:
-        from .openai import normalize_messages
 
-        prompt = build_chat_prompt(
-            tok, normalize_messages(body.messages), tools=None, use_tools=False, template_kwargs={},
-            add_generation_prompt=body.add_generation_prompt is not False)
-        ids = prompt.ids
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len,
-            "token_strs": [tok.id_to_token(i) for i in ids]}
+    def encode():
+        if body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            from .openai import normalize_messages
+
+            ids = build_chat_prompt(
+                tok, normalize_messages(body.messages), tools=None, use_tools=False, template_kwargs={},
+                add_generation_prompt=body.add_generation_prompt is not False,
+                keep_billing_header=state.settings.keep_billing_header).ids
+        return ids, [tok.id_to_token(i) for i in ids]
+
+    ids, strs = await off_loop(encode)
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len, "token_strs": strs}
 
 
 @router.post("/detokenize")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from ..engine.api import Request as EngineRequest
 from ..text import tool_calls as tc
 from . import generation as gen
-from .common import new_id, parse_body
+from .common import new_id, off_loop, parse_body
 from .errors import APIError, bad_request
 from .prompts import build_chat_prompt
 from .schemas import AnthropicCountRequest, AnthropicRequest
@@ -130,14 +130,39 @@ def _prompt(state, body):
     if ctype in ("any", "tool") and not tools:
         raise bad_request(f"tool_choice '{ctype}' requires tools")
     use_tools = bool(tools) and ctype != "none"
+    fmt = _output_format(body)
+    if fmt is not None and use_tools:
+        raise bad_request("output_config.format cannot be combined with tools unless tool_choice is "
+                          "'none' (one grammar constrains the whole answer)")
     kwargs: dict = {}
+    if body.thinking is not None and body.thinking.type != "disabled" and (
+            fmt is not None or ctype in ("any", "tool")):
+        raise bad_request("thinking cannot be enabled with output_config.format or a forced tool_choice: "
+                          "the grammar leaves no room for a thinking block")
     if body.thinking is not None:
         kwargs["enable_thinking"] = body.thinking.type != "disabled"
-    elif use_tools and ctype in ("any", "tool"):
-        kwargs["enable_thinking"] = False  # the forced-call grammar leaves no room for <think>
+    elif fmt is not None or (use_tools and ctype in ("any", "tool")):
+        kwargs["enable_thinking"] = False  # the grammar leaves no room for <think>
     prompt = build_chat_prompt(state.tokenizer, to_messages(body), tools=tools, use_tools=use_tools,
-                               template_kwargs=kwargs)
+                               template_kwargs=kwargs, keep_billing_header=state.settings.keep_billing_header)
     return prompt, tools, ctype, use_tools
+
+
+def _output_format(body):
+    config = getattr(body, "output_config", None)
+    return config.format if config is not None else None
+
+
+def _prepare(state, body):
+    prompt, tools, ctype, use_tools = _prompt(state, body)
+    grammar = None
+    fmt = _output_format(body)
+    if use_tools and ctype in ("any", "tool"):
+        grammar = state.grammar.tool_calls(prompt.tool_family or "hermes", [t["function"] for t in tools],
+                                           body.tool_choice.name if ctype == "tool" else None)
+    elif fmt is not None:
+        grammar = state.grammar.json_schema(fmt.schema_, param="output_config.format.schema")
+    return prompt, tools, ctype, use_tools, grammar
 
 
 def _signature(text: str) -> str:
@@ -176,11 +201,8 @@ async def messages(request: Request):
     state = _state(request)
     state.require_ready()
     body = await parse_body(request, AnthropicRequest)
-    prompt, tools, ctype, use_tools = _prompt(state, body)
-    grammar = None
-    if use_tools and ctype in ("any", "tool"):
-        grammar = state.grammar.tool_calls(prompt.tool_family or "hermes", [t["function"] for t in tools],
-                                           body.tool_choice.name if ctype == "tool" else None)
+    model = state.resolve_model(body.model)
+    prompt, tools, ctype, use_tools, grammar = await off_loop(_prepare, state, body)
     max_tokens = gen.cap_max_tokens(state, len(prompt.ids), body.max_tokens)
     params = gen.sampling_params(state, body, max_tokens, stop=body.stop_sequences, grammar=grammar)
     ereq = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=new_id("msg_"))
@@ -189,7 +211,7 @@ async def messages(request: Request):
                               tool_family=prompt.tool_family if use_tools else None)
     if body.stream:
         steps = await gen.run(state, ereq, parser, heartbeat_s=state.settings.heartbeat_s)
-        return sse_response(_stream(state, ereq, steps, body.model, len(prompt.ids)))
+        return sse_response(_stream(state, ereq, steps, model, len(prompt.ids)))
     steps = await gen.run(state, ereq, parser, http_request=request, heartbeat_s=state.settings.disconnect_poll_s)
     blocks: list[dict] = []
     finish = None
@@ -217,7 +239,7 @@ async def messages(request: Request):
             b["signature"] = _signature(b["thinking"])
     stop_reason, stop_seq = _stop_reason(finish, n_calls)
     return {
-        "id": ereq.request_id, "type": "message", "role": "assistant", "model": body.model,
+        "id": ereq.request_id, "type": "message", "role": "assistant", "model": model,
         "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_seq,
         "usage": _usage(finish),
     }
@@ -308,5 +330,6 @@ async def count_tokens(request: Request):
     state = _state(request)
     state.require_ready()
     body = await parse_body(request, AnthropicCountRequest)
-    prompt, *_ = _prompt(state, body)
+    state.resolve_model(body.model)
+    prompt, *_ = await off_loop(_prompt, state, body)
     return {"input_tokens": len(prompt.ids)}

@@ -6,12 +6,25 @@ import hmac
 import json
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from . import admin, anthropic, openai
 from .errors import APIError, install_handlers, is_anthropic_path
 from .state import ServerState
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/stats", "/admin/")
+
+
+def _credential(headers: dict[str, str]) -> str | None:
+    """The first non-empty credential: ``x-api-key``, then ``Authorization:
+    Bearer`` (an empty header a client library adds must not hide the other)."""
+    key = headers.get("x-api-key", "").strip()
+    if key:
+        return key
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return auth[7:].strip()
+    return None
 
 
 class _Guard:
@@ -34,11 +47,9 @@ class _Guard:
             return await self.app(scope, receive, send)
         s = self.state.settings
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if s.api_key and scope["path"].startswith(_PROTECTED):
-            given = headers.get("x-api-key")
-            auth = headers.get("authorization", "")
-            if given is None and auth[:7].lower() == "bearer ":
-                given = auth[7:].strip()
+        path = scope["path"]
+        if s.api_key and (path.startswith(_PROTECTED) or (s.metrics_require_key and path == "/metrics")):
+            given = _credential(headers)
             if given is None or not hmac.compare_digest(given.encode(), s.api_key.encode()):
                 msg = "invalid API key" if given else "missing API key (send 'Authorization: Bearer <key>' or 'x-api-key')"
                 return await self._reply(scope, send, APIError(401, msg, "authentication_error", code="invalid_api_key"))
@@ -69,4 +80,10 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(anthropic.router)
     app.include_router(admin.router)
     app.add_middleware(_Guard, state=state)
+    origins = state.settings.allowed_origins
+    if origins:
+        # Outside the guard: a browser's preflight carries no credentials, and
+        # a 401 or 413 must carry CORS headers for the page to read it.
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
     return app

@@ -1,11 +1,15 @@
-"""Small helpers shared by the route modules."""
+"""Small helpers shared by the route modules, and the one place request
+bodies are parsed: strict JSON, then a walk that rejects what the engine's
+native types and UTF-8 cannot hold (deep nesting, NaN, lone surrogates,
+integers beyond 64 bits), naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import string
-from typing import TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -13,27 +17,114 @@ from pydantic import BaseModel
 from .errors import bad_request
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 _ALPHABET = string.ascii_letters + string.digits
+
+# Deeper than any real request (a JSON schema or tool arguments); pydantic
+# and the template renderer recurse, so depth is capped before they run.
+MAX_JSON_DEPTH = 128
+# Integers in a body fit 64 bits (signed or unsigned): seeds, token ids and
+# counts all become C integers in the engine.
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def new_id(prefix: str, n: int = 24) -> str:
     return prefix + "".join(secrets.choice(_ALPHABET) for _ in range(n))
 
 
-async def read_json(request: Request) -> dict:
-    raw = await request.body()
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _where(path: list) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else ("." if out else "") + str(p)
+    return out
+
+
+def _check_string(s: str, path: list) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        where = _where(path) or "the request body"
+        raise bad_request(f"{where} contains a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                          "strings must be valid Unicode", param=_where(path) or None) from None
+
+
+def check_json_value(value: Any, root: list | None = None) -> None:
+    """Reject values the engine cannot represent: nesting deeper than
+    MAX_JSON_DEPTH, strings (and object keys) that are not valid Unicode,
+    integers outside 64 bits. Iterative, so hostile depth cannot recurse."""
+    stack = [(value, list(root or []), 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            _check_string(v, path)
+        elif isinstance(v, bool) or v is None or isinstance(v, float):
+            continue
+        elif isinstance(v, int):
+            if not _INT_MIN <= v <= _INT_MAX:
+                where = _where(path) or "the request body"
+                raise bad_request(f"{where}: integer {str(v)[:20]}... does not fit in 64 bits"
+                                  if len(str(v)) > 20 else f"{where}: integer {v} does not fit in 64 bits",
+                                  param=_where(path) or None)
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise bad_request(f"{_where(path) or 'the request body'} is nested more than "
+                                  f"{MAX_JSON_DEPTH} levels deep", param=_where(path) or None)
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    _check_string(k, path + [k])
+                    stack.append((x, path + [k], depth + 1))
+            else:
+                for i, x in enumerate(v):
+                    stack.append((x, path + [i], depth + 1))
+
+
+def loads_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or a 400 that says what is wrong."""
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")  # JSON bodies are UTF-8 (RFC 8259); json.loads would guess UTF-16/32
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    except ValueError as e:  # NaN/Infinity, or an integer beyond Python's digit limit
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    check_json_value(data)
     return data
+
+
+# Bodies above this are parsed and validated in a worker thread.
+_INLINE_BODY_BYTES = 64 << 10
+
+
+async def read_json(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) < _INLINE_BODY_BYTES:
+        return loads_body(raw)
+    return await off_loop(loads_body, raw)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
     """The body as ``model``; any problem is a 400 (via the ValidationError handler)."""
-    return model.model_validate(await read_json(request))
+    raw = await request.body()
+    if len(raw) < _INLINE_BODY_BYTES:
+        return model.model_validate(loads_body(raw))
+    return await off_loop(lambda: model.model_validate(loads_body(raw)))
+
+
+async def off_loop(fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run ``fn`` in a worker thread: template rendering and tokenization of a
+    large request must not hold up the event loop (and /health) meanwhile."""
+    return await asyncio.to_thread(fn, *args, **kwargs)

@@ -4,6 +4,8 @@ metrics, and abort the request if the client goes away."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -65,10 +67,10 @@ def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, log
     temperature = pick("temperature", s.default_temperature if s.default_temperature is not None else 1.0)
     top_p = pick("top_p", s.default_top_p if s.default_top_p is not None else 1.0)
     top_k = pick("top_k", s.default_top_k if s.default_top_k is not None else 0)
-    if top_k < 0:
+    vocab = state.model_vocab_size
+    if top_k < 0 or top_k >= vocab:  # -1 (vLLM) or a k that keeps every token: off
         top_k = 0
     bias: dict[int, float] = {}
-    vocab = state.model_vocab_size
     for k, v in (getattr(body, "logit_bias", None) or {}).items():
         tid = int(k)
         if not 0 <= tid < vocab:
@@ -230,6 +232,118 @@ async def _steps(state, request, stream, parser, http_request, heartbeat_s):
                 state.engine.abort(request.request_id)
             except Exception:
                 pass
+
+
+def fan_out(request: Request, n: int) -> list[Request]:
+    """``n`` copies of ``request`` sampled independently (OpenAI's ``n``): ids
+    ``<id>-<i>``, seeds ``seed + i`` when seeded, so a seeded ``n`` is
+    reproducible and each choice equals the single request with its seed."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        seed = None if request.params.seed is None else request.params.seed + i
+        out.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}",
+                                       params=dataclasses.replace(request.params, seed=seed)))
+    return out
+
+
+async def run_many(state: ServerState, requests: list[Request], parsers: list[OutputParser], *,
+                   http_request=None, heartbeat_s: float | None = None) -> AsyncIterator[tuple[int, Step]]:
+    """``run`` for requests that share one prompt, yielding ``(index, Step)``.
+    The first runs alone until its first event, when its prompt's blocks are
+    in the prefix cache; then the others start and reuse them, so the prompt
+    is prefilled once. The first submission's errors raise here; a later
+    one's raise from the iteration."""
+    kw = {"http_request": http_request, "heartbeat_s": heartbeat_s}
+    first = await run(state, requests[0], parsers[0], **kw)
+    if len(requests) == 1:
+        return _indexed(first)
+
+    async def the_rest():
+        rest = []
+        try:
+            for j in range(1, len(requests)):
+                rest.append((j, _indexed(await run(state, requests[j], parsers[j], **kw))))
+        except BaseException:
+            for _, r in rest:
+                await r.aclose()
+            raise
+        return rest
+
+    return _fan_in([(0, _indexed(first))], later=the_rest)
+
+
+async def run_groups(state: ServerState, groups: list[list[Request]], parsers: list[list[OutputParser]], *,
+                     http_request=None, heartbeat_s: float | None = None) -> AsyncIterator[tuple[int, Step]]:
+    """``run_many`` for several prompts at once (a batched completion), each
+    group its own prompt; indices run over all groups' requests in order."""
+    runs = []
+    try:
+        for requests, ps in zip(groups, parsers):
+            runs.append(await run_many(state, requests, ps, http_request=http_request, heartbeat_s=heartbeat_s))
+    except BaseException:
+        for r in runs:
+            await r.aclose()
+        raise
+    if len(runs) == 1:
+        return runs[0]
+    offsets = [sum(len(g) for g in groups[:k]) for k in range(len(groups))]
+    return _fan_in(list(zip(offsets, runs)))
+
+
+async def _indexed(steps):
+    try:
+        async for step in steps:
+            yield 0, step
+    finally:
+        await steps.aclose()
+
+
+async def _fan_in(sources, later=None):
+    """Yield ``(offset + i, step)`` from every ``(offset, source)`` as steps
+    come. ``later()``, awaited once at the first step that is not a
+    heartbeat, returns more sources. Closing this closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+    streams, tasks = [], []
+
+    def add(offset, source):
+        async def pump():
+            try:
+                async for i, step in source:
+                    await queue.put((offset + i, step))
+            except Exception as e:  # noqa: BLE001  (handed to the consumer)
+                await queue.put((offset, e))
+            finally:
+                await queue.put((offset, done))
+
+        streams.append(source)
+        tasks.append(asyncio.ensure_future(pump()))
+
+    for offset, source in sources:
+        add(offset, source)
+    live = len(tasks)
+    try:
+        while live:
+            i, item = await queue.get()
+            if item is done:
+                live -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            if later is not None and not item.heartbeat:
+                more, later = await later(), None
+                for offset, source in more:
+                    add(offset, source)
+                    live += 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for source in streams:
+            await source.aclose()
 
 
 def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:

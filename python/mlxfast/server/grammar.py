@@ -47,32 +47,44 @@ class GrammarCompiler:
 
         return sorted(ids, key=key)
 
-    def _factory(self, grammar: str) -> Callable[[], Any]:
+    def _factory(self, grammar: str, param: str) -> Callable[[], Any]:
+        """A matcher factory for ``grammar``, compiled and probed now: a
+        grammar that cannot be enforced is a 400 on arrival, not an error
+        mid-stream. The probe computes the first token mask and the tokens
+        the grammar forces from the start, which is where llguidance finds
+        self-referencing schemas (``{"$ref": "#"}``, a required property that
+        recurses forever) to be unsatisfiable or beyond its limits."""
         import llguidance
 
         lltok = self.lltok
         err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if err and not err.startswith("WARNING"):
-            raise bad_request(f"could not compile the grammar: {err}", param="response_format")
+            raise bad_request(f"{param} cannot be enforced: {_first_line(err)}", param=param)
+        probe = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        _probe(probe, param)
+        unused = [probe]  # the probed matcher serves the first request
 
         def make():
+            if unused:
+                return unused.pop()
             return llguidance.LLMatcher(lltok, grammar, log_level=0)
 
         return make
 
-    def json_schema(self, schema: dict | None) -> Callable[[], Any]:
+    def json_schema(self, schema: dict | None, param: str = "response_format") -> Callable[[], Any]:
         """Any JSON object (``schema`` None) or one that validates against ``schema``."""
         import llguidance
 
         if schema is None:
             schema = {"type": "object"}
         if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema must be an object", "response_format")
+            raise bad_request(f"{param} must be an object", param)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-        except ValueError as e:
-            raise bad_request(f"invalid JSON schema: {e}", "response_format") from None
-        return self._factory(grammar)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise bad_request(f"{param} is not a JSON schema mlxfast can enforce: {_first_line(str(e))}",
+                              param) from None
+        return self._factory(grammar, param)
 
     def _marker(self, text: str) -> str:
         """A Lark literal for ``text``; a single special token is written as its id."""
@@ -81,23 +93,29 @@ class GrammarCompiler:
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
-    def tool_calls(self, family: str, tools: list[dict], name: str | None) -> Callable[[], Any]:
+    def tool_calls(self, family: str, tools: list[dict], name: str | None,
+                   param: str = "tools") -> Callable[[], Any]:
         """Force the model to call a tool (``name``, or any of ``tools``), in
         the markup ``family`` that its tool-call parser reads."""
         import llguidance
 
         chosen = [t for t in tools if name is None or t["name"] == name]
         arg_key = "parameters" if family == "llama3" else "arguments"
-        variants = []
-        for t in chosen:
+        variants, defs = [], {}
+        for i, t in enumerate(chosen):
             params = t.get("parameters") or {"type": "object"}
+            if not isinstance(params, dict):
+                raise bad_request(f"{param}: the parameters of tool '{t['name']}' must be a JSON schema object",
+                                  param)
+            defs.update(_hoisted_defs(params, f"tool{i}"))
             variants.append({
                 "type": "object",
-                "properties": {"name": {"const": t["name"]}, arg_key: params},
+                "properties": {"name": {"const": t["name"]}, arg_key: {"$ref": f"#/$defs/tool{i}"}},
                 "required": ["name", arg_key],
                 "additionalProperties": False,
             })
         schema: dict = variants[0] if len(variants) == 1 else {"anyOf": variants}
+        schema = dict(schema, **{"$defs": defs})
         # Options go into the schema's x-guidance (lark's %json takes no defaults).
         schema_opts = dict(schema, **{"x-guidance": _JSON_OPTIONS})
         body = json.dumps(schema_opts)
@@ -110,4 +128,78 @@ class GrammarCompiler:
                 f'start: {self._marker("<tool_call>")} "\\n" call "\\n" {self._marker("</tool_call>")}\n'
                 f"call: %json {body}\n"
             )
-        return self._factory(llguidance.LLMatcher.grammar_from_lark(lark))
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise bad_request(f"{param}: a tool's parameters are not a JSON schema mlxfast can enforce: "
+                              f"{_first_line(str(e))}", param) from None
+        return self._factory(grammar, param)
+
+
+def _hoisted_defs(params: dict, key: str) -> dict:
+    """A tool's parameter schema as definitions of the call schema that wraps
+    it: itself as ``key``, its ``$defs`` / ``definitions`` as ``key__<name>``,
+    with every local ``$ref`` (``#``, ``#/$defs/x``, ``#/definitions/x``)
+    rewritten to match, since in the wrapper ``#`` is the wrapper."""
+    def rewrite(v):
+        if isinstance(v, dict):
+            out = {k: rewrite(x) for k, x in v.items() if k not in ("$defs", "definitions") or v is not params}
+            ref = v.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                parts = ref[2:].split("/", 2) if ref != "#" else []
+                if not parts or parts == [""]:
+                    out["$ref"] = f"#/$defs/{key}"
+                elif parts[0] in ("$defs", "definitions") and len(parts) >= 2:
+                    out["$ref"] = f"#/$defs/{key}__{parts[1]}" + ("/" + parts[2] if len(parts) > 2 else "")
+                else:
+                    out["$ref"] = f"#/$defs/{key}/" + ref[2:]
+            return out
+        if isinstance(v, list):
+            return [rewrite(x) for x in v]
+        return v
+
+    defs = {key: rewrite(params)}
+    for section in ("$defs", "definitions"):
+        for name, sub in (params.get(section) or {}).items():
+            defs[f"{key}__{name}"] = rewrite(sub)
+    return defs
+
+
+def _first_line(message: str) -> str:
+    return (message.strip().splitlines() or ["unknown error"])[0][:300]
+
+
+# How far the probe walks a copy of a new matcher: the forced prefix (up to
+# this many tokens), then this many steps along the lowest allowed token.
+# Self-referencing schemas fail on the forced prefix; regexes beyond the
+# lexer's limits fail when their lexeme starts, a few tokens in.
+PROBE_TOKENS = 64
+
+
+def _probe(matcher, param: str) -> None:
+    """A 400 unless a copy of ``matcher`` computes its masks along a short
+    walk without error (``matcher`` itself stays at its start state)."""
+    import numpy as np
+
+    def check(m):
+        if m.is_error():
+            raise bad_request(f"{param} cannot be enforced: {_first_line(m.get_error())} "
+                              "(a schema that refers to itself with no way to end, or one past "
+                              "the grammar engine's limits)", param=param)
+
+    check(matcher)
+    walk = matcher.deep_copy()
+    forced = walk.compute_ff_tokens()[:PROBE_TOKENS]
+    check(walk)
+    if forced:
+        walk.consume_tokens(forced)
+    for _ in range(PROBE_TOKENS):
+        mask = walk.compute_bitmask()
+        check(walk)
+        if walk.is_stopped():
+            return
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little"))
+        if allowed.size == 0:
+            return
+        walk.consume_token(int(allowed[0]))
+        check(walk)

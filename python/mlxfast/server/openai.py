@@ -12,10 +12,10 @@ from fastapi.responses import JSONResponse
 from ..engine.api import Request as EngineRequest
 from ..text import tool_calls as tc
 from . import generation as gen
-from .common import new_id, parse_body
+from .common import new_id, off_loop, parse_body
 from .errors import APIError, bad_request
 from .prompts import build_chat_prompt, template_kwargs_for, tool_message_content
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
 from .sse import DONE, data_event, sse_response
 
 router = APIRouter()
@@ -101,15 +101,32 @@ def chat_logprobs(tok, ev, top_n: int) -> dict:
 # ------------------------------------------------------------ chat
 
 
+def _tools_and_choice(body: ChatCompletionRequest):
+    """``tools`` and ``tool_choice``, with the legacy ``functions`` /
+    ``function_call`` mapped onto them."""
+    if body.functions is None and body.function_call is None:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return tools, body.tool_choice
+    if body.tools is not None or body.tool_choice is not None:
+        raise bad_request("give either tools / tool_choice or the legacy functions / function_call, "
+                          "not both", "functions")
+    tools = [{"type": "function", "function": f.model_dump(exclude_none=True)}
+             for f in body.functions or []] or None
+    fc = body.function_call
+    if fc is None or isinstance(fc, str):
+        return tools, fc
+    return tools, NamedToolChoice(function=fc)
+
+
 def _prepare_chat(state, body: ChatCompletionRequest):
     tok = state.tokenizer
-    if body.n not in (None, 1):
-        raise bad_request("n > 1 is not supported; send separate requests", "n")
+    if body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is supported on /v1/completions (or use echo with logprobs there), "
+                          "not on chat completions", "prompt_logprobs")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     messages = normalize_messages(body.messages)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    choice = body.tool_choice
+    tools, choice = _tools_and_choice(body)
     if choice is not None and choice != "none" and not tools:
         if choice != "auto":
             raise bad_request("tool_choice requires tools", "tool_choice")
@@ -129,6 +146,7 @@ def _prepare_chat(state, body: ChatCompletionRequest):
         tok, messages, tools=tools, use_tools=use_tools, template_kwargs=kwargs,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message),
+        keep_billing_header=state.settings.keep_billing_header,
     )
     grammar = None
     if use_tools and (choice == "required" or forced_name):
@@ -150,10 +168,13 @@ def _prepare_chat(state, body: ChatCompletionRequest):
     rid = new_id("chatcmpl-")
     ereq = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=rid,
                          cache_salt=body.cache_salt or "")
-    parser = gen.OutputParser(tok, reasoning=prompt.reasoning and grammar is None,
-                              in_reasoning=prompt.in_reasoning and grammar is None,
-                              tool_family=prompt.tool_family if use_tools else None)
-    return ereq, parser
+
+    def make_parser():
+        return gen.OutputParser(tok, reasoning=prompt.reasoning and grammar is None,
+                                in_reasoning=prompt.in_reasoning and grammar is None,
+                                tool_family=prompt.tool_family if use_tools else None)
+
+    return ereq, make_parser
 
 
 def _finish_reason(ev, n_calls: int) -> str:
@@ -180,101 +201,152 @@ async def chat_completions(request: Request):
     state = _state(request)
     state.require_ready()
     body = await parse_body(request, ChatCompletionRequest)
-    ereq, parser = _prepare_chat(state, body)
-    model = body.model or state.settings.model_name
+    ereq, make_parser = await off_loop(_prepare_chat, state, body)
+    model = state.resolve_model(body.model)
+    requests = gen.fan_out(ereq, body.n or 1)
+    parsers = [make_parser() for _ in requests]
     if body.stream:
-        steps = await gen.run(state, ereq, parser)
+        steps = await gen.run_many(state, requests, parsers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_chat_stream(state, ereq, steps, model, include_usage, body.top_logprobs or 0))
-    steps = await gen.run(state, ereq, parser, http_request=request, heartbeat_s=state.settings.disconnect_poll_s)
-    content, reasoning, calls, lps = [], [], [], []
-    finish = None
-    async for step in steps:
-        if step.token is not None and body.logprobs:
-            lps.append(chat_logprobs(state.tokenizer, step.token, body.top_logprobs or 0))
-        for p in step.pieces:
-            if isinstance(p, tc.ToolCall):
-                calls.append({"id": new_id("call_"), "type": "function",
-                              "function": {"name": p.name, "arguments": p.arguments}})
-            elif p[0] == "reasoning":
-                reasoning.append(p[1])
-            else:
-                content.append(p[1])
-        if step.finish is not None:
-            finish = step.finish
-    if finish is None:  # client went away
+        return sse_response(_chat_stream(state, ereq, steps, len(requests), model, include_usage,
+                                         body.top_logprobs or 0, legacy=_legacy(body)))
+    steps = await gen.run_many(state, requests, parsers, http_request=request,
+                               heartbeat_s=state.settings.disconnect_poll_s)
+    choices = [_Choice() for _ in requests]
+    async for i, step in steps:
+        choices[i].add(step, state.tokenizer, body)
+    finishes = [c.finish for c in choices]
+    if any(f is None for f in finishes):  # client went away
         return JSONResponse({}, status_code=499)
-    if finish.finish_reason == "error":
-        raise _engine_error(finish)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if (content or not calls) else None}
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
+    for f in finishes:
+        if f.finish_reason == "error":
+            raise _engine_error(f)
     return {
         "id": ereq.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": state.system_fingerprint,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": {"content": lps} if body.logprobs else None,
-            "finish_reason": _finish_reason(finish, len(calls)),
-        }],
-        "usage": _usage(finish),
+        "choices": [c.to_json(i, body) for i, c in enumerate(choices)],
+        "usage": _usage_n(finishes),
     }
 
 
-async def _chat_stream(state, ereq, steps, model, include_usage, top_n):
+class _Choice:
+    """One choice of a non-streamed chat completion, accumulated."""
+
+    def __init__(self):
+        self.content, self.reasoning, self.calls, self.logprobs = [], [], [], []
+        self.finish = None
+
+    def add(self, step, tok, body) -> None:
+        if step.token is not None and body.logprobs:
+            self.logprobs.append(chat_logprobs(tok, step.token, body.top_logprobs or 0))
+        for p in step.pieces:
+            if isinstance(p, tc.ToolCall):
+                self.calls.append({"id": new_id("call_"), "type": "function",
+                                   "function": {"name": p.name, "arguments": p.arguments}})
+            elif p[0] == "reasoning":
+                self.reasoning.append(p[1])
+            else:
+                self.content.append(p[1])
+        if step.finish is not None:
+            self.finish = step.finish
+
+    def to_json(self, index: int, body) -> dict:
+        calls = self.calls
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": "".join(self.content) if (self.content or not calls) else None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        finish_reason = _finish_reason(self.finish, len(calls))
+        if calls and _legacy(body):  # the legacy shape: one function_call, no ids
+            message["function_call"] = calls[0]["function"]
+            finish_reason = "function_call" if finish_reason == "tool_calls" else finish_reason
+        elif calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message,
+                "logprobs": {"content": self.logprobs} if body.logprobs else None,
+                "finish_reason": finish_reason}
+
+
+def _usage_n(finishes) -> dict:
+    """Usage of ``n`` choices of one prompt: the prompt counted once."""
+    first = finishes[0]
+    completion = sum(f.completion_tokens for f in finishes)
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+    }
+
+
+def _legacy(body: ChatCompletionRequest) -> bool:
+    return body.functions is not None or body.function_call is not None
+
+
+async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False):
     created = int(time.time())
     tok = state.tokenizer
 
-    def chunk(delta, finish_reason=None, logprobs=None):
+    def chunk(index, delta, finish_reason=None, logprobs=None):
         return data_event({
             "id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "system_fingerprint": state.system_fingerprint,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
         })
 
-    n_calls = 0
+    n_calls = [0] * n
+    finishes: list = [None] * n
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for step in steps:
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, step in steps:
             lp = None
-            if step.token is not None and ereq.params.logprobs:
+            if step.token is not None and top_n is not None and step.token.logprob is not None:
                 lp = {"content": [chat_logprobs(tok, step.token, top_n)]}
             sent_lp = False
             for p in step.pieces:
-                if isinstance(p, tc.ToolCall):
-                    head = {"index": n_calls, "id": new_id("call_"), "type": "function",
+                if isinstance(p, tc.ToolCall) and legacy:
+                    if n_calls[i] == 0:  # the legacy shape carries one call
+                        yield chunk(i, {"function_call": {"name": p.name, "arguments": ""}})
+                        yield chunk(i, {"function_call": {"arguments": p.arguments}})
+                    n_calls[i] += 1
+                elif isinstance(p, tc.ToolCall):
+                    head = {"index": n_calls[i], "id": new_id("call_"), "type": "function",
                             "function": {"name": p.name, "arguments": ""}}
-                    yield chunk({"tool_calls": [head]})
-                    yield chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": p.arguments}}]})
-                    n_calls += 1
+                    yield chunk(i, {"tool_calls": [head]})
+                    yield chunk(i, {"tool_calls": [{"index": n_calls[i], "function": {"arguments": p.arguments}}]})
+                    n_calls[i] += 1
                 else:
                     key = "reasoning_content" if p[0] == "reasoning" else "content"
-                    yield chunk({key: p[1]}, logprobs=None if sent_lp else lp)
+                    yield chunk(i, {key: p[1]}, logprobs=None if sent_lp else lp)
                     sent_lp = True
             if lp is not None and not sent_lp:
-                yield chunk({"content": ""}, logprobs=lp)
+                yield chunk(i, {"content": ""}, logprobs=lp)
             ev = step.finish
-            if ev is not None:
-                if ev.finish_reason == "error":
-                    err = _engine_error(ev)
-                    yield data_event(err.openai_body())
-                    yield DONE
-                    return
-                yield chunk({}, finish_reason=_finish_reason(ev, n_calls))
+            if ev is None:
+                continue
+            if ev.finish_reason == "error":
+                yield data_event(_engine_error(ev).openai_body())
+                yield DONE
+                return
+            finishes[i] = ev
+            reason = _finish_reason(ev, n_calls[i])
+            yield chunk(i, {}, finish_reason="function_call" if legacy and reason == "tool_calls" else reason)
+            if all(f is not None for f in finishes):
                 if include_usage:
                     yield data_event({
                         "id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
                         "model": model, "system_fingerprint": state.system_fingerprint,
-                        "choices": [], "usage": _usage(ev),
+                        "choices": [], "usage": _usage_n(finishes),
                     })
                 yield DONE
                 return
+    except APIError as e:  # a later choice could not be submitted (the server is full)
+        yield data_event(e.openai_body())
+        yield DONE
     finally:
         await steps.aclose()
 
@@ -282,13 +354,16 @@ async def _chat_stream(state, ereq, steps, model, include_usage, top_n):
 # ------------------------------------------------------------ completions
 
 
-def _completion_prompt(state, body: CompletionRequest) -> tuple[list[int], str]:
-    tok = state.tokenizer
+def _completion_prompts(body: CompletionRequest) -> list:
+    """The request's prompts: one string or token list, or a batch of them."""
     p = body.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
-        p = p[0]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        return list(p)
+    return [p]
+
+
+def _completion_prompt(state, p) -> tuple[list[int], str]:
+    tok = state.tokenizer
     if isinstance(p, str):
         ids = tok.encode(p, add_special_tokens=True)
         text = p
@@ -304,19 +379,73 @@ def _completion_prompt(state, body: CompletionRequest) -> tuple[list[int], str]:
     return ids, text
 
 
-def _completion_logprobs(tok, events, n: int, offset0: int) -> dict:
+def _prepare_completion(state, body: CompletionRequest, prompt):
+    ids, prompt_text = _completion_prompt(state, prompt)
+    if body.max_tokens == 0:  # score the prompt, generate nothing (OpenAI's echo without a completion)
+        if not body.echo:
+            raise bad_request("max_tokens must be at least 1 (0 is allowed with echo: the prompt alone)",
+                              "max_tokens")
+        gen.cap_max_tokens(state, len(ids), 0)  # a 400 when the prompt alone fills the context
+        max_tokens = 0
+    else:
+        max_tokens = gen.cap_max_tokens(state, len(ids), body.max_tokens)
+    grammar = None
+    if body.response_format is not None and body.response_format.type != "text":
+        rf = body.response_format
+        grammar = state.grammar.json_schema(rf.json_schema.schema_ if rf.json_schema else None)
+    # best_of ranks its candidates by their summed logprobs, so it needs them.
+    params = gen.sampling_params(state, body, max_tokens, stop=body.stop,
+                                 logprobs=body.logprobs is not None or (body.best_of or 1) > (body.n or 1),
+                                 top_logprobs=body.logprobs or 0, grammar=grammar)
+    # The echoed prompt's logprobs and vLLM's prompt_logprobs come from one scoring pass.
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    if wanted:
+        params.prompt_logprobs = max(wanted)
+    ereq = EngineRequest(prompt_ids=ids, params=params, request_id=new_id("cmpl-"),
+                         cache_salt=body.cache_salt or "")
+    return ids, prompt_text, ereq
+
+
+def _completion_logprobs(tok, entries, n: int, offset0: int) -> dict:
+    """OpenAI's legacy logprobs over ``(token id, logprob, top [(id, logprob)] | None)`` entries."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     off = offset0
-    for ev in events:
-        text, _ = gen.token_text(tok, ev.token_id)
+    for token_id, logprob, top in entries:
+        text, _ = gen.token_text(tok, token_id)
         out["tokens"].append(text)
-        out["token_logprobs"].append(ev.logprob)
-        top = {}
-        for i, lp in (ev.top_logprobs or [])[:n]:
-            top[gen.token_text(tok, i)[0]] = lp
-        out["top_logprobs"].append(top if n else None)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(
+            {gen.token_text(tok, i)[0]: lp for i, lp in top[:n]} if n and top is not None else None)
         out["text_offset"].append(off)
         off += len(text)
+    return out
+
+
+def _token_entries(events) -> list:
+    return [(ev.token_id, ev.logprob, ev.top_logprobs) for ev in events]
+
+
+def _prompt_entries(ids, scores) -> list:
+    """The prompt's entries: the first token has no logprob, nor has any when no scores came."""
+    scores = scores or [None] * len(ids)
+    return [(t, None, None) if sc is None else (t, sc.logprob, sc.top_logprobs) for t, sc in zip(ids, scores)]
+
+
+def _vllm_prompt_logprobs(tok, ids, scores, k: int) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first), else
+    ``{token id: {logprob, rank, decoded_token}}`` for the token itself and the k best."""
+    if scores is None:
+        return None
+
+    def entry(token_id, logprob, rank):
+        return {"logprob": logprob, "rank": rank, "decoded_token": gen.token_text(tok, token_id)[0]}
+
+    out: list = [None]
+    for t, sc in zip(ids[1:], scores[1:]):
+        d = {str(t): entry(t, sc.logprob, sc.rank)}
+        for rank, (i, lp) in enumerate(sc.top_logprobs[:k], 1):
+            d[str(i)] = entry(i, lp, rank)
+        out.append(d)
     return out
 
 
@@ -325,103 +454,163 @@ async def completions(request: Request):
     state = _state(request)
     state.require_ready()
     body = await parse_body(request, CompletionRequest)
-    if body.n not in (None, 1) or body.best_of not in (None, 1):
-        raise bad_request("n > 1 and best_of > 1 are not supported", "n")
+    n = body.n or 1
+    best_of = body.best_of if body.best_of is not None else n
+    if best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of > n and body.stream:
+        raise bad_request("best_of > n cannot stream: the best choices are known only at the end", "best_of")
     if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
-    ids, prompt_text = _completion_prompt(state, body)
-    max_tokens = gen.cap_max_tokens(state, len(ids), body.max_tokens)
-    grammar = None
-    if body.response_format is not None and body.response_format.type != "text":
-        rf = body.response_format
-        grammar = state.grammar.json_schema(rf.json_schema.schema_ if rf.json_schema else None)
-    want_lp = body.logprobs is not None
-    params = gen.sampling_params(state, body, max_tokens, stop=body.stop, logprobs=want_lp,
-                                 top_logprobs=body.logprobs or 0, grammar=grammar)
-    ereq = EngineRequest(prompt_ids=ids, params=params, request_id=new_id("cmpl-"),
-                         cache_salt=body.cache_salt or "")
-    parser = gen.OutputParser(state.tokenizer, reasoning=False, in_reasoning=False, tool_family=None)
-    model = body.model or state.settings.model_name
-    echo = prompt_text if body.echo else ""
+        raise bad_request("suffix (fill-in-the-middle) is not supported: this model has no "
+                          "fill-in-the-middle tokens", "suffix")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported with stream=true (echo with logprobs is)",
+                          "prompt_logprobs")
+    prompts = _completion_prompts(body)
+    if len(prompts) * best_of > 128:
+        raise bad_request(f"{len(prompts)} prompts x {best_of} choices is more than 128 sequences", "prompt")
+    prepared = [await off_loop(_prepare_completion, state, body, p) for p in prompts]
+    model = state.resolve_model(body.model)
+
+    def parsers(k):
+        return [gen.OutputParser(state.tokenizer, reasoning=False, in_reasoning=False, tool_family=None)
+                for _ in range(k)]
+
+    groups = [gen.fan_out(ereq, best_of) for _, _, ereq in prepared]
+    rid = prepared[0][2].request_id
     if body.stream:
-        steps = await gen.run(state, ereq, parser)
+        steps = await gen.run_groups(state, groups, [parsers(len(g)) for g in groups])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_completion_stream(state, ereq, steps, model, echo, include_usage, body.logprobs))
-    steps = await gen.run(state, ereq, parser, http_request=request, heartbeat_s=state.settings.disconnect_poll_s)
-    text, events, finish = [], [], None
-    async for step in steps:
-        if step.token is not None:
-            events.append(step.token)
-        text += [p[1] for p in step.pieces if isinstance(p, tuple)]
-        if step.finish is not None:
-            finish = step.finish
-    if finish is None:
+        return sse_response(_completion_stream(state, rid, prepared, steps, best_of, model, body,
+                                               include_usage))
+    steps = await gen.run_groups(state, groups, [parsers(len(g)) for g in groups], http_request=request,
+                                 heartbeat_s=state.settings.disconnect_poll_s)
+    outs = [_CompletionOut() for g in groups for _ in g]
+    async for i, step in steps:
+        outs[i].add(step)
+    if any(o.finish is None for o in outs):
         return JSONResponse({}, status_code=499)
-    if finish.finish_reason == "error":
-        raise _engine_error(finish)
-    logprobs = None
-    if want_lp:
-        logprobs = _completion_logprobs(state.tokenizer, events, body.logprobs or 0, len(echo))
-        if echo:
-            prompt_lp = {
-                "tokens": [gen.token_text(state.tokenizer, i)[0] for i in ids],
-                "token_logprobs": [None] * len(ids),
-                "top_logprobs": [None] * len(ids),
-            }
-            offs, o = [], 0
-            for t in prompt_lp["tokens"]:
-                offs.append(o)
-                o += len(t)
-            prompt_lp["text_offset"] = offs
-            logprobs = {k: prompt_lp[k] + logprobs[k] for k in logprobs}
+    for o in outs:
+        if o.finish.finish_reason == "error":
+            raise _engine_error(o.finish)
+    choices = []
+    for g, (ids, prompt_text, _) in enumerate(prepared):
+        mine = outs[g * best_of:(g + 1) * best_of]
+        if best_of > n:  # the n with the highest summed logprob, best first (OpenAI's best_of)
+            mine = sorted(mine, key=lambda o: -sum(e.logprob or 0.0 for e in o.events))[:n]
+        for o in mine:
+            choices.append(o.to_json(len(choices), state, body, ids, prompt_text))
+    finishes = [o.finish for o in outs]
     return {
-        "id": ereq.request_id,
+        "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": state.system_fingerprint,
-        "choices": [{"index": 0, "text": echo + "".join(text), "logprobs": logprobs,
-                     "finish_reason": _finish_reason(finish, 0)}],
-        "usage": _usage(finish),
+        "choices": choices,
+        "usage": _usage_groups([finishes[g * best_of:(g + 1) * best_of] for g in range(len(groups))]),
     }
 
 
-async def _completion_stream(state, ereq, steps, model, echo, include_usage, n_lp):
-    created = int(time.time())
+class _CompletionOut:
+    """One sequence of a non-streamed text completion, accumulated."""
 
-    def chunk(text, finish_reason=None, logprobs=None):
+    def __init__(self):
+        self.text, self.events, self.finish, self.scores = [], [], None, None
+
+    def add(self, step) -> None:
+        ev = step.token or step.finish
+        if ev is not None and ev.prompt_logprobs is not None:
+            self.scores = ev.prompt_logprobs
+        if step.token is not None:
+            self.events.append(step.token)
+        self.text += [p[1] for p in step.pieces if isinstance(p, tuple)]
+        if step.finish is not None:
+            self.finish = step.finish
+
+    def to_json(self, index: int, state, body, ids, prompt_text) -> dict:
+        echo = prompt_text if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            k, tok = body.logprobs, state.tokenizer
+            logprobs = _completion_logprobs(tok, _token_entries(self.events), k, len(echo))
+            if body.echo:
+                prompt_lp = _completion_logprobs(tok, _prompt_entries(ids, self.scores), k, 0)
+                logprobs = {key: prompt_lp[key] + logprobs[key] for key in logprobs}
+        choice = {"index": index, "text": echo + "".join(self.text), "logprobs": logprobs,
+                  "finish_reason": _finish_reason(self.finish, 0)}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(state.tokenizer, ids, self.scores,
+                                                              body.prompt_logprobs)
+        return choice
+
+
+def _usage_groups(groups: list[list]) -> dict:
+    """Usage over several prompts with several sequences each: every prompt counted once."""
+    prompt = sum(g[0].prompt_tokens for g in groups)
+    completion = sum(f.completion_tokens for g in groups for f in g)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)}}
+
+
+async def _completion_stream(state, rid, prepared, steps, per_prompt, model, body, include_usage):
+    created = int(time.time())
+    tok = state.tokenizer
+    n_lp = body.logprobs
+    total = len(prepared) * per_prompt
+
+    def chunk(index, text, finish_reason=None, logprobs=None):
         return data_event({
-            "id": ereq.request_id, "object": "text_completion", "created": created, "model": model,
+            "id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": state.system_fingerprint,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         })
 
-    offset = len(echo)
+    echo = [prepared[i // per_prompt][1] if body.echo else "" for i in range(total)]
+    offset = [len(e) for e in echo]
+    finishes: list = [None] * total
     try:
-        if echo:
-            yield chunk(echo)
-        async for step in steps:
+        if n_lp is None:
+            for i in range(total):
+                if echo[i]:
+                    yield chunk(i, echo[i])
+                    echo[i] = ""
+        async for i, step in steps:
+            first = step.token or step.finish
+            if first is None:
+                continue
+            if echo[i]:  # with logprobs the echo waits for the prompt's scores: they ride on the first event
+                if not (step.finish is not None and step.finish.finish_reason == "error"):
+                    ids = prepared[i // per_prompt][0]
+                    lp = _completion_logprobs(tok, _prompt_entries(ids, first.prompt_logprobs), n_lp, 0)
+                    yield chunk(i, echo[i], logprobs=lp)
+                echo[i] = ""
             text = "".join(p[1] for p in step.pieces if isinstance(p, tuple))
             lp = None
             if step.token is not None and n_lp is not None:
-                lp = _completion_logprobs(state.tokenizer, [step.token], n_lp, offset)
+                lp = _completion_logprobs(tok, _token_entries([step.token]), n_lp, offset[i])
             if text or lp is not None:
-                yield chunk(text, logprobs=lp)
-            offset += len(text)
+                yield chunk(i, text, logprobs=lp)
+            offset[i] += len(text)
             ev = step.finish
-            if ev is not None:
-                if ev.finish_reason == "error":
-                    yield data_event(_engine_error(ev).openai_body())
-                    yield DONE
-                    return
-                yield chunk("", finish_reason=_finish_reason(ev, 0))
-                if include_usage:
-                    yield data_event({
-                        "id": ereq.request_id, "object": "text_completion", "created": created,
-                        "model": model, "choices": [], "usage": _usage(ev),
-                    })
+            if ev is None:
+                continue
+            if ev.finish_reason == "error":
+                yield data_event(_engine_error(ev).openai_body())
                 yield DONE
                 return
+            finishes[i] = ev
+            yield chunk(i, "", finish_reason=_finish_reason(ev, 0))
+            if all(f is not None for f in finishes):
+                if include_usage:
+                    groups = [finishes[g * per_prompt:(g + 1) * per_prompt] for g in range(len(prepared))]
+                    yield data_event({"id": rid, "object": "text_completion", "created": created,
+                                      "model": model, "choices": [], "usage": _usage_groups(groups)})
+                yield DONE
+                return
+    except APIError as e:  # a later sequence could not be submitted (the server is full)
+        yield data_event(e.openai_body())
+        yield DONE
     finally:
         await steps.aclose()
 
@@ -429,16 +618,19 @@ async def _completion_stream(state, ereq, steps, model, echo, include_usage, n_l
 @router.get("/v1/models")
 async def list_models(request: Request):
     state = _state(request)
-    name = state.settings.model_name
-    return {"object": "list", "data": [{
-        "id": name, "object": "model", "created": state.created, "owned_by": "mlxfast",
-        "max_model_len": state.max_model_len if state.engine is not None else None,
-    }]}
+    return {"object": "list", "data": [_model_card(state, state.settings.model_name)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
     state = _state(request)
-    if model_id != state.settings.model_name:
-        raise APIError(404, f"model '{model_id}' not found", "not_found_error", param="model", code="model_not_found")
-    return {"id": model_id, "object": "model", "created": state.created, "owned_by": "mlxfast"}
+    if model_id not in state.served_names:
+        raise APIError(404, f"the model '{model_id}' does not exist; this server serves "
+                       + ", ".join(f"'{n}'" for n in state.served_names),
+                       "not_found_error", param="model", code="model_not_found")
+    return _model_card(state, model_id)
+
+
+def _model_card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxfast",
+            "max_model_len": state.max_model_len if state.engine is not None else None}

@@ -35,7 +35,22 @@ class ChatPrompt:
     in_reasoning: bool  # the prompt already opened a think block
 
 
+# Template variables a request cannot set through chat_template_kwargs: the
+# server sets them from the request's own fields (or they are the template's
+# helper functions).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "add_generation_prompt", "continue_final_message",
+    "raise_exception", "strftime_now", "namespace",
+})
+
+
 def template_kwargs_for(reasoning_effort: str | None, extra: dict | None) -> dict:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra or {}))
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs.{reserved[0]} is set by the server from the request itself "
+            f"(reserved: {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))}); use the request field instead",
+            param=f"chat_template_kwargs.{reserved[0]}")
     kwargs: dict = {}
     if reasoning_effort is not None:
         if reasoning_effort not in REASONING_EFFORTS:
@@ -85,6 +100,24 @@ def _with_system(messages: list[dict], extra: str) -> list[dict]:
     return [{"role": "system", "content": extra}] + messages
 
 
+# Claude Code puts a per-request attribution line first in its system prompt
+# (``x-anthropic-billing-header: cc_version=...; cch=<hex>;``). Kept, it
+# changes the first block of every prompt, so no turn reuses the cached system
+# prompt; it carries nothing for the model.
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+
+
+def strip_billing_header(messages: list[dict]) -> list[dict]:
+    """``messages`` without the billing line leading the first system message."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    text = messages[0].get("content") or ""
+    if not isinstance(text, str) or not text.lstrip().startswith(BILLING_HEADER_PREFIX):
+        return messages
+    rest = text.lstrip().partition("\n")[2].lstrip("\n")
+    return ([{**messages[0], "content": rest}] if rest else []) + messages[1:]
+
+
 def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
     parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages]
     if add_generation_prompt:
@@ -101,8 +134,11 @@ def build_chat_prompt(
     template_kwargs: dict,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    keep_billing_header: bool = False,
 ) -> ChatPrompt:
     """``tools`` are OpenAI-shaped (``{"type": "function", "function": {...}}``)."""
+    if not keep_billing_header:
+        messages = strip_billing_header(messages)
     template = getattr(tokenizer, "chat_template", None)
     family = tc.detect_family(template) if tools and use_tools else None
     native_tools = bool(template) and "tools" in template

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _CFG = ConfigDict(extra="allow", strict=True)
+# Counts and ids become C ints in the engine and its kernels.
+_INT32_MAX = (1 << 31) - 1
 
 
 class _Model(BaseModel):
@@ -89,13 +91,13 @@ class SamplingFields(_Model):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(default=None, ge=-1)
+    top_k: Optional[int] = Field(default=None, ge=-1, le=_INT32_MAX)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
     logit_bias: Optional[dict[str, float]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=-(1 << 63), le=(1 << 63) - 1)  # int64, as vLLM
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[int]] = None
     n: Optional[int] = Field(default=1, ge=1, le=128)
@@ -111,13 +113,17 @@ class SamplingFields(_Model):
         if v is None:
             return v
         for k, b in v.items():
-            try:
-                int(k)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            if not (k.isascii() and k.isdigit() and len(k) <= 12):
+                raise ValueError(f"logit_bias keys must be token ids (decimal digits), got {k[:40]!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {b}")
         return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: allowed only when stream is true")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -138,6 +144,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[ToolDef]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    # Legacy function calling (OpenAI still accepts it): mapped onto tools.
+    prompt_logprobs: Optional[int] = None  # vLLM's; supported on /v1/completions only (a 400 here)
+    functions: Optional[list[FunctionDef]] = None
+    function_call: Union[Literal["none", "auto"], NamedToolChoiceFunction, None] = None
     reasoning_effort: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = True
@@ -146,10 +156,12 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 only with echo (the route checks)
     echo: Optional[bool] = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # vLLM's
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(default=None, ge=1, le=128)
     response_format: Optional[ResponseFormat] = None
 
 
@@ -179,6 +191,17 @@ class AnthropicTool(_Model):
     description: Optional[str] = None
     input_schema: Optional[dict] = None
     type: Optional[str] = None
+    strict: Optional[bool] = None  # input_schema enforced when the tool is forced (always, here)
+
+
+class AnthropicOutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class AnthropicOutputConfig(_Model):
+    format: Optional[AnthropicOutputFormat] = None
+    effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
 
 
 class AnthropicToolChoice(_Model):
@@ -189,7 +212,7 @@ class AnthropicToolChoice(_Model):
 
 class AnthropicThinking(_Model):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Optional[int] = None
+    budget_tokens: Optional[int] = Field(default=None, ge=1, le=_INT32_MAX)
 
 
 class AnthropicRequest(_Model):
@@ -202,10 +225,11 @@ class AnthropicRequest(_Model):
     stop_sequences: Optional[list[str]] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(default=None, ge=0)
+    top_k: Optional[int] = Field(default=None, ge=0, le=_INT32_MAX)
     metadata: Optional[dict] = None
     stream: Optional[bool] = False
     thinking: Optional[AnthropicThinking] = None
+    output_config: Optional[AnthropicOutputConfig] = None
 
 
 class AnthropicCountRequest(_Model):

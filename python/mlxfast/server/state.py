@@ -20,7 +20,12 @@ class ServerSettings:
     default_temperature: float | None = None  # None: the API's default (1.0)
     default_top_p: float | None = None
     default_top_k: int | None = None
+    model_aliases: tuple[str, ...] = ()  # more names the model answers to (besides "default")
+    strict_model_name: bool = False  # unknown model names: 404 instead of the served model
     max_body_bytes: int = 32 << 20
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
+    keep_billing_header: bool = False  # False: Claude Code's billing line is cut from system prompts
+    metrics_require_key: bool = False  # /metrics is open without the key unless set (as vLLM)
     retry_after_s: int = 1
     heartbeat_s: float = 10.0  # Anthropic ping / disconnect poll interval
     disconnect_poll_s: float = 1.0
@@ -62,6 +67,21 @@ class ServerState:
         cfg = getattr(self.model, "config", None) or {}
         v = cfg.get("vocab_size") if isinstance(cfg, dict) else getattr(cfg, "vocab_size", None)
         return max(int(v or 0), int(self.tokenizer.vocab_size))
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        s = self.settings
+        return tuple(dict.fromkeys((s.model_name, *s.model_aliases, "default")))
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The name a response reports: always the served name. A request
+        may name the model any way (as mlx_lm.server and llama.cpp's server
+        accept), unless --strict-model-name makes unknown names a 404."""
+        if requested is not None and requested not in self.served_names and self.settings.strict_model_name:
+            raise APIError(404, f"the model '{requested}' does not exist; this server serves "
+                           + ", ".join(f"'{n}'" for n in self.served_names),
+                           "not_found_error", param="model", code="model_not_found")
+        return self.settings.model_name
 
     def engine_alive(self) -> bool:
         e = self.engine

@@ -144,5 +144,6 @@ def render_chat_template(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template error: {e.message or e}") from e
-    except (TypeError, KeyError, AttributeError, IndexError) as e:
+    except (TypeError, KeyError, AttributeError, IndexError, ValueError, OverflowError,
+            RecursionError) as e:
         raise ValueError(f"chat template failed on these messages: {e}") from e

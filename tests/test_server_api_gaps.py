@@ -1,0 +1,273 @@
+"""Fields real clients send that used to be silently dropped or wrongly
+refused: legacy function calling, stream_options, model names."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_legacy_functions_produce_a_function_call(openai_client):
+    r = openai_client.chat.completions.create(
+        model="default", messages=ASK, functions=[WEATHER], function_call={"name": "get_weather"},
+        max_tokens=40, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call"
+    assert choice.message.function_call.name == "get_weather"
+    assert isinstance(json.loads(choice.message.function_call.arguments)["city"], str)
+    assert not choice.message.tool_calls
+
+
+def test_legacy_functions_stream_a_function_call(openai_client):
+    name, args, finish = "", "", None
+    for c in openai_client.chat.completions.create(
+            model="default", messages=ASK, functions=[WEATHER], function_call={"name": "get_weather"},
+            max_tokens=40, temperature=0, stream=True):
+        d = c.choices[0].delta
+        assert not d.tool_calls
+        if d.function_call:
+            name += d.function_call.name or ""
+            args += d.function_call.arguments or ""
+        finish = c.choices[0].finish_reason or finish
+    assert name == "get_weather" and finish == "function_call"
+    assert isinstance(json.loads(args)["city"], str)
+
+
+def test_legacy_function_call_none_means_no_call(openai_client):
+    r = openai_client.chat.completions.create(
+        model="default", messages=ASK, functions=[WEATHER], function_call="none", max_tokens=8, temperature=0)
+    assert r.choices[0].message.function_call is None and r.choices[0].finish_reason != "function_call"
+
+
+def test_functions_and_tools_together_are_refused(server):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": ASK, "functions": [WEATHER], "tools": [{"type": "function", "function": WEATHER}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "functions"
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/chat/completions", {"messages": ASK}),
+    ("/v1/completions", {"prompt": "Hello"}),
+])
+def test_stream_options_without_stream_is_refused(server, path, extra):
+    for stream in (None, False):
+        body = dict(extra, max_tokens=2, stream_options={"include_usage": True})
+        if stream is not None:
+            body["stream"] = stream
+        r = httpx.post(server.url + path, headers=server.headers, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "stream_options" in r.json()["error"]["message"]
+
+
+def test_models_retrieve_answers_every_served_name(openai_client, server):
+    listed = [m.id for m in openai_client.models.list().data]
+    for name in listed + ["default"]:
+        assert openai_client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        openai_client.models.retrieve("no-such-model")
+
+
+def test_unknown_model_names_are_served_and_reported_by_the_served_name(openai_client):
+    served = openai_client.models.list().data[0].id
+    r = openai_client.chat.completions.create(model="gpt-4o", messages=ASK, max_tokens=2)
+    assert r.model == served
+
+
+def test_aliases_and_strict_model_names(server_b):
+    h = {"Authorization": f"Bearer {server_b.api_key}"}
+    assert [m["id"] for m in httpx.get(server_b.url + "/v1/models", headers=h).json()["data"]] == ["smol"]
+    for name in ("smol", "smol-alias", "default"):
+        assert httpx.get(server_b.url + f"/v1/models/{name}", headers=h).json()["id"] == name
+        r = httpx.post(server_b.url + "/v1/chat/completions", headers=h, timeout=60,
+                       json={"model": name, "messages": ASK, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "smol"
+    r = httpx.post(server_b.url + "/v1/chat/completions", headers=h, timeout=60,
+                   json={"model": "gpt-4o", "messages": ASK, "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(server_b.url + "/v1/messages", headers=h, timeout=60,
+                   json={"model": "claude-x", "messages": ASK, "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+# ---------------------------------------------------------------- Anthropic structured output
+
+
+def test_anthropic_messages_parse_returns_a_parsed_object(anthropic_client):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    m = anthropic_client.messages.parse(
+        model="default", max_tokens=40, output_format=City, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Name a big city in France, as JSON."}])
+    assert isinstance(m.parsed_output, City)
+    assert m.parsed_output.name and m.parsed_output.country
+
+
+def test_anthropic_output_config_schema_is_enforced_when_streaming(server):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    body = {"model": "default", "max_tokens": 24, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is two plus two?"}],
+            "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/messages", headers=server.headers, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                ev = json.loads(line[6:])
+                if ev["type"] == "content_block_delta":
+                    text += ev["delta"]["text"]
+    assert isinstance(json.loads(text)["answer"], int)
+
+
+@pytest.mark.parametrize("extra", [
+    {"output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#"}}}},  # cannot be enforced
+    {"output_config": {"format": {"type": "json_schema"}}},  # no schema
+    {"output_config": {"format": {"type": "regex", "schema": {}}}},
+    {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+     "tools": [{"name": "t", "input_schema": {"type": "object"}}]},
+    {"output_config": {"effort": "extreme"}},
+    {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+     "thinking": {"type": "enabled", "budget_tokens": 1024}},
+])
+def test_anthropic_output_config_that_cannot_be_enforced_is_a_400(server, extra):
+    body = {"model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **extra}
+    r = httpx.post(server.url + "/v1/messages", headers=server.headers, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- agents and the prefix cache
+
+
+def test_claude_code_billing_line_does_not_defeat_the_prefix_cache(anthropic_client):
+    """Two requests that differ only in the per-request billing line: the
+    second reads the whole system prompt from the cache."""
+    system = ("You are a careful coding agent. Follow the repository's conventions, keep changes small, "
+              "and explain what you changed and why. ") * 3
+
+    def ask(cch):
+        return anthropic_client.messages.create(
+            model="default", max_tokens=2, extra_body={"temperature": 0},
+            system=[{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.3; "
+                                             f"cc_entrypoint=cli; cch={cch};"},
+                    {"type": "text", "text": system}],
+            messages=[{"role": "user", "content": f"Say hi {cch}"}])
+
+    first, second = ask("0a1b2"), ask("f9e8d")
+    n_system = anthropic_client.messages.count_tokens(
+        model="default", system=system, messages=[{"role": "user", "content": "x"}]).input_tokens
+    assert second.usage.cache_read_input_tokens >= n_system - 16  # all but the last partial block
+
+
+# ---------------------------------------------------------------- n, batched prompts, best_of, suffix
+
+
+def _stats(server):
+    return httpx.get(server.url + "/stats", headers=server.headers, timeout=30).json()["metrics"]
+
+
+def test_chat_n_shares_one_prefill_and_seeded_n_is_reproducible(openai_client, server):
+    system = "You are a helpful assistant. Answer in a few words, and be kind about it. " * 4
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a color."}]
+    before = _stats(server)
+    r = openai_client.chat.completions.create(model="default", messages=msgs, n=3, max_tokens=6,
+                                              temperature=1.0, seed=11)
+    after = _stats(server)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content for c in r.choices)
+    n_prompt = r.usage.prompt_tokens
+    assert 3 <= r.usage.completion_tokens <= 18
+    # The prompt was computed once: the other two choices read its full blocks from the prefix cache.
+    full_blocks = (n_prompt - 1) // 16
+    assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] >= 2 * full_blocks * 16 - 32
+    again = openai_client.chat.completions.create(model="default", messages=msgs, n=3, max_tokens=6,
+                                                  temperature=1.0, seed=11)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    alone = [openai_client.chat.completions.create(model="default", messages=msgs, max_tokens=6,
+                                                   temperature=1.0, seed=11 + i).choices[0].message.content
+             for i in range(3)]
+    assert alone == [c.message.content for c in r.choices]  # choice i is the request seeded seed + i
+
+
+def test_chat_n_streams_every_choice_with_its_index(openai_client):
+    texts, finishes, usage = {}, {}, None
+    for c in openai_client.chat.completions.create(
+            model="default", messages=ASK, n=3, max_tokens=5, temperature=0.8, seed=3, stream=True,
+            stream_options={"include_usage": True}):
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert sorted(texts) == [0, 1, 2] and sorted(finishes) == [0, 1, 2]
+    assert all(texts.values())
+    single = openai_client.chat.completions.create(model="default", messages=ASK, max_tokens=1)
+    assert usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    assert 3 <= usage.completion_tokens <= 15
+
+
+def test_completions_batched_prompts_and_n(openai_client):
+    prompts = ["The capital of France is", "One, two, three,", "Water is made of"]
+    r = openai_client.completions.create(model="default", prompt=prompts, max_tokens=4, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for p, c in zip(prompts, r.choices):
+        alone = openai_client.completions.create(model="default", prompt=p, max_tokens=4, temperature=0)
+        assert c.text == alone.choices[0].text
+    r2 = openai_client.completions.create(model="default", prompt=prompts[:2], n=2, max_tokens=3,
+                                          temperature=0.9, seed=5)
+    assert [c.index for c in r2.choices] == [0, 1, 2, 3]
+    ids = openai_client.completions.create(model="default", prompt=[[504, 3458], [504]], max_tokens=2)
+    assert len(ids.choices) == 2
+
+
+def test_completions_best_of_returns_the_most_likely(openai_client):
+    kw = dict(model="default", prompt="My favourite animal is the", max_tokens=4, temperature=1.0, seed=9)
+    best = openai_client.completions.create(best_of=3, n=1, logprobs=0, **kw)
+    cands = openai_client.completions.create(n=3, logprobs=0, **kw)
+    scores = [sum(c.logprobs.token_logprobs) for c in cands.choices]
+    assert len(best.choices) == 1
+    assert best.choices[0].text == cands.choices[scores.index(max(scores))].text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"suffix": "return x"}, "suffix"),
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+])
+def test_completions_refusals(server, extra, param):
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                   json={"prompt": "def f(x):", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_chat_prompt_logprobs_is_refused_not_ignored(server):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                   json={"messages": ASK, "max_tokens": 2, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_billing_line_is_cut_only_where_claude_code_puts_it():
+    from mlxfast.server.prompts import strip_billing_header
+
+    line = "x-anthropic-billing-header: cc_version=2.1; cch=ab12c;"
+    sys_msg = {"role": "system", "content": f"{line}\nYou are helpful."}
+    assert strip_billing_header([sys_msg])[0]["content"] == "You are helpful."
+    assert strip_billing_header([{"role": "system", "content": line}, {"role": "user", "content": "x"}]) == \
+        [{"role": "user", "content": "x"}]
+    later = [{"role": "system", "content": f"You are helpful.\n{line}"}]
+    assert strip_billing_header(later) == later  # only a leading line is the billing header
+    user = [{"role": "user", "content": line}]
+    assert strip_billing_header(user) == user
