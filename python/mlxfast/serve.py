@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .server.app import create_app
+    from .server.http_errors import JSONErrorH11Protocol
     from .server.state import ServerSettings, ServerState
 
     settings = ServerSettings(
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)), lifespan="off",
+        http=JSONErrorH11Protocol,  # HTTP-level 400s in the API's error shape
     )
 
     class Server(uvicorn.Server):
