@@ -27,6 +27,17 @@ def _credential(headers: dict[str, str]) -> str | None:
     return None
 
 
+async def _drain(receive, limit: int) -> None:
+    seen = 0
+    while seen <= limit:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return
+        seen += len(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return
+
+
 class _Guard:
     """ASGI middleware: 401 without the API key, 413 over the body cap."""
 
@@ -57,6 +68,10 @@ class _Guard:
         too_large = APIError(413, f"request body exceeds the server's limit of {cap} bytes", "request_too_large")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > cap:
+            # Read (and drop) what the client is sending first, up to a bound:
+            # closing on a client still writing resets the connection before
+            # it can read the 413.
+            await _drain(receive, max(4 * cap, 64 << 20))
             return await self._reply(scope, send, too_large)
         seen = 0
 
