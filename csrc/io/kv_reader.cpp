@@ -1,4 +1,5 @@
 #include "io/kv_reader.h"
+#include "io/io_thread.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -42,15 +43,8 @@ bool KVReader::close(double timeout_s) {
   s_->stop = true;
   s_->cv.notify_all();
   s_->done_cv.notify_all();
-  if (!thread_.joinable()) return s_->exited;  // closed before
-  bool exited = s_->done_cv.wait_for(lk, std::chrono::duration<double>(timeout_s),
-                                     [this] { return s_->exited; });
-  lk.unlock();
-  if (exited)
-    thread_.join();
-  else
-    thread_.detach();
-  return exited;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  return join_or_detach(thread_, lk, s_->done_cv, deadline, [this] { return s_->exited; });
 }
 
 uint64_t KVReader::submit(const std::vector<std::string>& names, const std::vector<std::string>& keys,

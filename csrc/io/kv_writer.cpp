@@ -1,4 +1,5 @@
 #include "io/kv_writer.h"
+#include "io/io_thread.h"
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -225,14 +226,7 @@ bool KVWriter::close(bool drain, double timeout_s) {
   s.st.pending_bytes = 0;
   s.cv.notify_all();
   s.idle_cv.notify_all();
-  if (!thread_.joinable()) return s.exited;  // closed before
-  bool exited = s.idle_cv.wait_until(lk, deadline, [&] { return s.exited; });
-  lk.unlock();
-  if (exited)
-    thread_.join();
-  else
-    thread_.detach();
-  return exited;
+  return join_or_detach(thread_, lk, s.idle_cv, deadline, [&] { return s.exited; });
 }
 
 void KVWriter::do_write(State& s, Job& job, WriteCompletion& c) {
