@@ -82,15 +82,14 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
 
-@pytest.fixture(scope="session")
-def server():
+def serve(api_key: str, *args: str):
+    """A real server process on a free port (a generator for fixtures)."""
     port = free_port()
-    proc = start_server(port, "--api-key", API_KEY, "--max-batch", "16", "--max-body-mb", "1",
-                        "--max-tokens", "16", "--max-model-len", "256")
+    proc = start_server(port, "--api-key", api_key, *args)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
-        yield Server(url, API_KEY, proc)
+        yield Server(url, api_key, proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -98,6 +97,12 @@ def server():
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    yield from serve(API_KEY, "--max-batch", "16", "--max-body-mb", "1", "--max-tokens", "16",
+                     "--max-model-len", "256")
 
 
 @pytest.fixture(scope="session")
@@ -105,22 +110,9 @@ def server_b():
     """A second real server with the options the default one leaves off:
     CORS origins, /metrics behind the key, strict model names with aliases,
     a 16 MB body cap."""
-    port = free_port()
-    proc = start_server(port, "--api-key", API_KEY_B, "--max-body-mb", "16", "--max-tokens", "4",
-                        "--max-model-len", "256", "--metrics-require-key", "--strict-model-name",
-                        "--served-model-name", "smol", "smol-alias",
-                        "--allowed-origins", f"{ORIGIN_B}, http://other-allowed.example")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-        yield Server(url, API_KEY_B, proc)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    yield from serve(API_KEY_B, "--max-body-mb", "16", "--max-tokens", "4", "--max-model-len", "256",
+                     "--metrics-require-key", "--strict-model-name", "--served-model-name", "smol", "smol-alias",
+                     "--allowed-origins", f"{ORIGIN_B}, http://other-allowed.example")
 
 
 @pytest.fixture(scope="session")

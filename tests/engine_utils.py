@@ -62,6 +62,22 @@ class ToyTokenizer:
         return ToyDetok(self)
 
 
+def dense_greedy(model, prompt, n):
+    """Greedy tokens from a plain dense-cache forward: the engine's oracle."""
+    from mlxfast.kv import DenseKVCache
+
+    cache = DenseKVCache(len(model.layers))
+    logits = model(mx.array([prompt]), cache)
+    cache.advance(len(prompt))
+    out = []
+    for _ in range(n):
+        t = mx.argmax(logits[0, -1]).item()
+        out.append(t)
+        logits = model(mx.array([[t]]), cache)
+        cache.advance(1)
+    return out
+
+
 async def collect(engine, request: Request, delay: float = 0.0):
     if delay:
         await asyncio.sleep(delay)
@@ -90,4 +106,4 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-__all__ = ["tiny_model", "ToyTokenizer", "run_requests", "collect", "greedy", "FinishEvent"]
+__all__ = ["tiny_model", "dense_greedy", "ToyTokenizer", "run_requests", "collect", "greedy", "FinishEvent"]

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine_utils import ToyTokenizer, greedy, tiny_model
+from engine_utils import ToyTokenizer, dense_greedy, greedy, tiny_model
 from mlxfast.engine.api import FinishEvent, Request, TokenEvent
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
@@ -30,19 +30,6 @@ def teacher_forced(model, prompt) -> np.ndarray:
     """Log-softmax of one plain forward over the whole prompt: row i scores token i + 1."""
     logits = model(mx.array([prompt]), DenseKVCache(len(model.layers)))[0].astype(mx.float32)
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
-def dense_greedy(model, prompt, n):
-    cache = DenseKVCache(len(model.layers))
-    logits = model(mx.array([prompt]), cache)
-    cache.advance(len(prompt))
-    out = []
-    for _ in range(n):
-        t = mx.argmax(logits[0, -1]).item()
-        out.append(t)
-        logits = model(mx.array([[t]]), cache)
-        cache.advance(1)
-    return out
 
 
 def check(plp, prompt, ref, k):

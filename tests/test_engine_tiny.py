@@ -6,30 +6,16 @@ import random
 import mlx.core as mx
 import pytest
 
-from engine_utils import ToyTokenizer, collect, greedy, run_requests, tiny_model
+from engine_utils import ToyTokenizer, collect, dense_greedy, greedy, run_requests, tiny_model
 from mlxfast.engine.api import (EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request,
                                 SamplingParams, TokenEvent)
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
-from mlxfast.kv import DenseKVCache
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(0)
-
-
-def dense_greedy(model, prompt, n):
-    cache = DenseKVCache(len(model.layers))
-    logits = model(mx.array([prompt]), cache)
-    cache.advance(len(prompt))
-    out = []
-    for _ in range(n):
-        t = mx.argmax(logits[0, -1]).item()
-        out.append(t)
-        logits = model(mx.array([[t]]), cache)
-        cache.advance(1)
-    return out
 
 
 def engine(model, **kw):

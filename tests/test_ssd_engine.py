@@ -3,53 +3,19 @@ the same greedy tokens as a cold run; spills, write-behind, demotion, the byte
 cap, corruption, locking and an unwritable disk."""
 
 import logging
-import random
 import shutil
 import time
 
 import pytest
 
-from engine_utils import ToyTokenizer, greedy, run_requests, tiny_model
+from engine_utils import greedy, tiny_model
 from mlxfast.engine.api import Request
-from mlxfast.engine.config import EngineConfig
-from mlxfast.engine.engine import Engine
-
-BS = 8
+from ssd_utils import BS, ask, cold, engine, prompt
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(3, layers=2)
-
-
-def engine(model, **kw):
-    kw.setdefault("num_blocks", 128)
-    kw.setdefault("block_size", BS)
-    return Engine(model, ToyTokenizer(), EngineConfig(**kw)).start()
-
-
-def prompt(seed, n):
-    rng = random.Random(seed)
-    return [rng.randrange(1, 97) for _ in range(n)]
-
-
-def ask(eng, p, n=8, salt=""):
-    toks, _, fin = run_requests(eng, [Request(p, greedy(n, ignore_eos=True), cache_salt=salt)])[0]
-    return toks, fin
-
-
-_cold_cache = {}
-
-
-def cold(model, p, n=8, **kw):
-    key = (tuple(p), n, tuple(sorted(kw.items())))
-    if key not in _cold_cache:
-        e = engine(model, enable_prefix_cache=False, **kw)
-        try:
-            _cold_cache[key] = ask(e, p, n)[0]
-        finally:
-            e.shutdown()
-    return _cold_cache[key]
 
 
 def files(d):
@@ -155,8 +121,7 @@ def test_corrupt_and_foreign_files_are_quarantined(model, tmp_path):
     with open(fs[2], "r+b") as f:
         f.truncate(4096 + 17)
     other = tiny_model(99, layers=2)  # another model's block under a plausible name
-    e2 = Engine(other, ToyTokenizer(), EngineConfig(num_blocks=64, block_size=BS,
-                                                    ssd_cache_dir=str(tmp_path / "other"))).start()
+    e2 = engine(other, num_blocks=64, ssd_cache_dir=str(tmp_path / "other"))
     try:
         ask(e2, prompt(6, 20))
         e2.flush_cache(30)
