@@ -183,13 +183,13 @@ def _finish_reason(ev, n_calls: int) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(ev.finish_reason, ev.finish_reason)
 
 
-def _usage(ev) -> dict:
-    return {
-        "prompt_tokens": ev.prompt_tokens,
-        "completion_tokens": ev.completion_tokens,
-        "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
-    }
+def _usage(groups: list[list]) -> dict:
+    """Usage over prompts with one or more sequences each (``n``, ``best_of``,
+    batched prompts): every prompt counted once."""
+    prompt = sum(g[0].prompt_tokens for g in groups)
+    completion = sum(f.completion_tokens for g in groups for f in g)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)}}
 
 
 def _engine_error(ev) -> APIError:
@@ -228,7 +228,7 @@ async def chat_completions(request: Request):
         "model": model,
         "system_fingerprint": state.system_fingerprint,
         "choices": [c.to_json(i, body) for i, c in enumerate(choices)],
-        "usage": _usage_n(finishes),
+        "usage": _usage([finishes]),
     }
 
 
@@ -270,61 +270,21 @@ class _Choice:
                 "finish_reason": finish_reason}
 
 
-def _usage_n(finishes) -> dict:
-    """Usage of ``n`` choices of one prompt: the prompt counted once."""
-    first = finishes[0]
-    completion = sum(f.completion_tokens for f in finishes)
-    return {
-        "prompt_tokens": first.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
-    }
-
-
 def _legacy(body: ChatCompletionRequest) -> bool:
     return body.functions is not None or body.function_call is not None
 
 
-async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False):
-    created = int(time.time())
-    tok = state.tokenizer
-
-    def chunk(index, delta, finish_reason=None, logprobs=None):
-        return data_event({
-            "id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
-            "model": model, "system_fingerprint": state.system_fingerprint,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-        })
-
-    n_calls = [0] * n
+async def _sse_choices(steps, n: int, step_chunks, usage_event):
+    """The OpenAI SSE body over ``n`` choices' steps: ``step_chunks(i, step)``
+    gives the chunks of one step (its finish chunk included, unless the step
+    is an error); once every choice has finished, ``usage_event(finishes)``
+    (or None) and ``[DONE]``. An engine error ends the stream with an error
+    event; so does a later choice that could not be submitted."""
     finishes: list = [None] * n
     try:
-        for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
         async for i, step in steps:
-            lp = None
-            if step.token is not None and top_n is not None and step.token.logprob is not None:
-                lp = {"content": [chat_logprobs(tok, step.token, top_n)]}
-            sent_lp = False
-            for p in step.pieces:
-                if isinstance(p, tc.ToolCall) and legacy:
-                    if n_calls[i] == 0:  # the legacy shape carries one call
-                        yield chunk(i, {"function_call": {"name": p.name, "arguments": ""}})
-                        yield chunk(i, {"function_call": {"arguments": p.arguments}})
-                    n_calls[i] += 1
-                elif isinstance(p, tc.ToolCall):
-                    head = {"index": n_calls[i], "id": new_id("call_"), "type": "function",
-                            "function": {"name": p.name, "arguments": ""}}
-                    yield chunk(i, {"tool_calls": [head]})
-                    yield chunk(i, {"tool_calls": [{"index": n_calls[i], "function": {"arguments": p.arguments}}]})
-                    n_calls[i] += 1
-                else:
-                    key = "reasoning_content" if p[0] == "reasoning" else "content"
-                    yield chunk(i, {key: p[1]}, logprobs=None if sent_lp else lp)
-                    sent_lp = True
-            if lp is not None and not sent_lp:
-                yield chunk(i, {"content": ""}, logprobs=lp)
+            for c in step_chunks(i, step):
+                yield c
             ev = step.finish
             if ev is None:
                 continue
@@ -333,15 +293,9 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
                 yield DONE
                 return
             finishes[i] = ev
-            reason = _finish_reason(ev, n_calls[i])
-            yield chunk(i, {}, finish_reason="function_call" if legacy and reason == "tool_calls" else reason)
             if all(f is not None for f in finishes):
-                if include_usage:
-                    yield data_event({
-                        "id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "system_fingerprint": state.system_fingerprint,
-                        "choices": [], "usage": _usage_n(finishes),
-                    })
+                if usage_event is not None:
+                    yield usage_event(finishes)
                 yield DONE
                 return
     except APIError as e:  # a later choice could not be submitted (the server is full)
@@ -349,6 +303,59 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
         yield DONE
     finally:
         await steps.aclose()
+
+
+async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False):
+    created = int(time.time())
+    tok = state.tokenizer
+    head = {"id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "system_fingerprint": state.system_fingerprint}
+
+    def chunk(index, delta, finish_reason=None, logprobs=None):
+        return data_event({**head, "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]})
+
+    n_calls = [0] * n
+
+    def step_chunks(i, step):
+        lp = None
+        if step.token is not None and step.token.logprob is not None:
+            lp = {"content": [chat_logprobs(tok, step.token, top_n)]}
+        sent_lp = False
+        for p in step.pieces:
+            if isinstance(p, tc.ToolCall) and legacy:
+                if n_calls[i] == 0:  # the legacy shape carries one call
+                    yield chunk(i, {"function_call": {"name": p.name, "arguments": ""}})
+                    yield chunk(i, {"function_call": {"arguments": p.arguments}})
+                n_calls[i] += 1
+            elif isinstance(p, tc.ToolCall):
+                call = {"index": n_calls[i], "id": new_id("call_"), "type": "function",
+                        "function": {"name": p.name, "arguments": ""}}
+                yield chunk(i, {"tool_calls": [call]})
+                yield chunk(i, {"tool_calls": [{"index": n_calls[i], "function": {"arguments": p.arguments}}]})
+                n_calls[i] += 1
+            else:
+                key = "reasoning_content" if p[0] == "reasoning" else "content"
+                yield chunk(i, {key: p[1]}, logprobs=None if sent_lp else lp)
+                sent_lp = True
+        if lp is not None and not sent_lp:
+            yield chunk(i, {"content": ""}, logprobs=lp)
+        ev = step.finish
+        if ev is not None and ev.finish_reason != "error":
+            reason = _finish_reason(ev, n_calls[i])
+            yield chunk(i, {}, finish_reason="function_call" if legacy and reason == "tool_calls" else reason)
+
+    def usage_event(finishes):
+        return data_event({**head, "choices": [], "usage": _usage([finishes])})
+
+    for i in range(n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    sse = _sse_choices(steps, n, step_chunks, usage_event if include_usage else None)
+    try:
+        async for c in sse:
+            yield c
+    finally:
+        await sse.aclose()
 
 
 # ------------------------------------------------------------ completions
@@ -508,7 +515,7 @@ async def completions(request: Request):
         "model": model,
         "system_fingerprint": state.system_fingerprint,
         "choices": choices,
-        "usage": _usage_groups([finishes[g * best_of:(g + 1) * best_of] for g in range(len(groups))]),
+        "usage": _usage([finishes[g * best_of:(g + 1) * best_of] for g in range(len(groups))]),
     }
 
 
@@ -545,74 +552,57 @@ class _CompletionOut:
         return choice
 
 
-def _usage_groups(groups: list[list]) -> dict:
-    """Usage over several prompts with several sequences each: every prompt counted once."""
-    prompt = sum(g[0].prompt_tokens for g in groups)
-    completion = sum(f.completion_tokens for g in groups for f in g)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)}}
-
-
 async def _completion_stream(state, rid, prepared, steps, per_prompt, model, body, include_usage):
     created = int(time.time())
     tok = state.tokenizer
     n_lp = body.logprobs
     total = len(prepared) * per_prompt
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": state.system_fingerprint}
 
     def chunk(index, text, finish_reason=None, logprobs=None):
-        return data_event({
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": state.system_fingerprint,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-        })
+        return data_event({**head, "choices": [
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]})
 
     echo = [prepared[i // per_prompt][1] if body.echo else "" for i in range(total)]
     offset = [len(e) for e in echo]
-    finishes: list = [None] * total
-    try:
-        if n_lp is None:
-            for i in range(total):
-                if echo[i]:
-                    yield chunk(i, echo[i])
-                    echo[i] = ""
-        async for i, step in steps:
-            first = step.token or step.finish
-            if first is None:
-                continue
-            if echo[i]:  # with logprobs the echo waits for the prompt's scores: they ride on the first event
-                if not (step.finish is not None and step.finish.finish_reason == "error"):
-                    ids = prepared[i // per_prompt][0]
-                    lp = _completion_logprobs(tok, _prompt_entries(ids, first.prompt_logprobs), n_lp, 0)
-                    yield chunk(i, echo[i], logprobs=lp)
+
+    def step_chunks(i, step):
+        first = step.token or step.finish
+        if first is None:
+            return
+        failed = step.finish is not None and step.finish.finish_reason == "error"
+        if echo[i]:  # with logprobs the echo waits for the prompt's scores: they ride on the first event
+            if not failed:
+                ids = prepared[i // per_prompt][0]
+                yield chunk(i, echo[i], logprobs=_completion_logprobs(
+                    tok, _prompt_entries(ids, first.prompt_logprobs), n_lp, 0))
+            echo[i] = ""
+        text = "".join(p[1] for p in step.pieces if isinstance(p, tuple))
+        lp = None
+        if step.token is not None and n_lp is not None:
+            lp = _completion_logprobs(tok, _token_entries([step.token]), n_lp, offset[i])
+        if text or lp is not None:
+            yield chunk(i, text, logprobs=lp)
+        offset[i] += len(text)
+        if step.finish is not None and not failed:
+            yield chunk(i, "", finish_reason=_finish_reason(step.finish, 0))
+
+    def usage_event(finishes):
+        groups = [finishes[g * per_prompt:(g + 1) * per_prompt] for g in range(len(prepared))]
+        return data_event({**head, "choices": [], "usage": _usage(groups)})
+
+    if n_lp is None:
+        for i in range(total):
+            if echo[i]:
+                yield chunk(i, echo[i])
                 echo[i] = ""
-            text = "".join(p[1] for p in step.pieces if isinstance(p, tuple))
-            lp = None
-            if step.token is not None and n_lp is not None:
-                lp = _completion_logprobs(tok, _token_entries([step.token]), n_lp, offset[i])
-            if text or lp is not None:
-                yield chunk(i, text, logprobs=lp)
-            offset[i] += len(text)
-            ev = step.finish
-            if ev is None:
-                continue
-            if ev.finish_reason == "error":
-                yield data_event(_engine_error(ev).openai_body())
-                yield DONE
-                return
-            finishes[i] = ev
-            yield chunk(i, "", finish_reason=_finish_reason(ev, 0))
-            if all(f is not None for f in finishes):
-                if include_usage:
-                    groups = [finishes[g * per_prompt:(g + 1) * per_prompt] for g in range(len(prepared))]
-                    yield data_event({"id": rid, "object": "text_completion", "created": created,
-                                      "model": model, "choices": [], "usage": _usage_groups(groups)})
-                yield DONE
-                return
-    except APIError as e:  # a later sequence could not be submitted (the server is full)
-        yield data_event(e.openai_body())
-        yield DONE
+    sse = _sse_choices(steps, total, step_chunks, usage_event if include_usage else None)
+    try:
+        async for c in sse:
+            yield c
     finally:
-        await steps.aclose()
+        await sse.aclose()
 
 
 @router.get("/v1/models")
