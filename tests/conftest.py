@@ -162,7 +162,7 @@ class FakeEngine:
     def abort(self, rid):
         self.aborted.append(rid)
 
-    def shutdown(self, timeout=None):
+    def shutdown(self, timeout=None, ssd_flush_timeout=None):
         self.alive = False
 
     def submit(self, request):

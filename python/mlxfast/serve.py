@@ -256,13 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = state.engine
         if engine is not None:
             left = max(0.0, deadline[0] - time.monotonic())
-            cfg = getattr(engine, "config", None)
-            if getattr(cfg, "ssd_cache_dir", None):  # the engine then waits for SSD writes: fit them in
-                cfg.ssd_flush_timeout_s = min(cfg.ssd_flush_timeout_s, left)
             try:  # the engine thread stops in milliseconds; give it a second even past the deadline
-                engine.shutdown(timeout=max(1.0, left))
-            except TypeError:
-                engine.shutdown(max(1.0, left))
+                engine.shutdown(timeout=max(1.0, left), ssd_flush_timeout=left)
             except Exception as e:  # never a traceback on the way out
                 print(f"mlxfast: warning: engine shutdown: {e}", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):

@@ -210,8 +210,10 @@ class Engine:
             raise EngineDead(self.error)
         return self
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Abort everything in flight (each gets FinishEvent "abort") and join the thread."""
+    def shutdown(self, timeout: float | None = 10.0, ssd_flush_timeout: float | None = None) -> None:
+        """Abort everything in flight (each gets FinishEvent "abort") and join the
+        thread; then wait for pending SSD writes for up to the configured
+        flush timeout, or ``ssd_flush_timeout`` when that is shorter."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -219,7 +221,8 @@ class Engine:
             self._thread.join(timeout)
         self.alive = False
         if self.ssd is not None:  # wait for pending block writes, release the directory
-            self.ssd.close(self.config.ssd_flush_timeout_s)
+            flush = self.config.ssd_flush_timeout_s
+            self.ssd.close(flush if ssd_flush_timeout is None else min(flush, ssd_flush_timeout))
 
     # -- public API (any thread) ---------------------------------------------
     def submit(self, request: Request) -> RequestStream:

@@ -48,12 +48,9 @@ class GrammarCompiler:
         return sorted(ids, key=key)
 
     def _factory(self, grammar: str, param: str) -> Callable[[], Any]:
-        """A matcher factory for ``grammar``, compiled and probed now: a
-        grammar that cannot be enforced is a 400 on arrival, not an error
-        mid-stream. The probe computes the first token mask and the tokens
-        the grammar forces from the start, which is where llguidance finds
-        self-referencing schemas (``{"$ref": "#"}``, a required property that
-        recurses forever) to be unsatisfiable or beyond its limits."""
+        """A matcher factory for ``grammar``, compiled and probed now (see
+        ``_probe``): a grammar that cannot be enforced is a 400 on arrival,
+        not an error mid-stream."""
         import llguidance
 
         lltok = self.lltok

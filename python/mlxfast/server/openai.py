@@ -201,8 +201,8 @@ async def chat_completions(request: Request):
     state = _state(request)
     state.require_ready()
     body = await parse_body(request, ChatCompletionRequest)
-    ereq, make_parser = await off_loop(_prepare_chat, state, body)
     model = state.resolve_model(body.model)
+    ereq, make_parser = await off_loop(_prepare_chat, state, body)
     requests = gen.fan_out(ereq, body.n or 1)
     parsers = [make_parser() for _ in requests]
     if body.stream:
@@ -476,8 +476,8 @@ async def completions(request: Request):
     prompts = _completion_prompts(body)
     if len(prompts) * best_of > 128:
         raise bad_request(f"{len(prompts)} prompts x {best_of} choices is more than 128 sequences", "prompt")
-    prepared = [await off_loop(_prepare_completion, state, body, p) for p in prompts]
     model = state.resolve_model(body.model)
+    prepared = [await off_loop(_prepare_completion, state, body, p) for p in prompts]
 
     def parsers(k):
         return [gen.OutputParser(state.tokenizer, reasoning=False, in_reasoning=False, tool_family=None)
