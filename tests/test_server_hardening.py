@@ -135,3 +135,15 @@ def test_no_cors_unless_origins_are_given(server):
     # Without --allowed-origins a preflight is an ordinary unauthenticated request.
     assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
     assert r.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_lone_surrogate_in_an_object_key_is_a_400(server, path):
+    """The key is named in the error, escaped (the raw key cannot be encoded)."""
+    body = ('{"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+            '"metadata": {"\\ud800x": 1}}').encode()
+    r = httpx.post(server.url + path, content=body, timeout=30,
+                   headers={**server.headers, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "metadata." in err["message"] and "surrogate" in err["message"]

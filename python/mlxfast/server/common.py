@@ -37,50 +37,57 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
-def _where(path: list) -> str:
+def _where(node) -> str:
+    """The field path of a walk node ``(parent node, key)``: ``messages[0].content``."""
+    keys = []
+    while node is not None:
+        node, key = node
+        keys.append(key)
     out = ""
-    for p in path:
-        out += f"[{p}]" if isinstance(p, int) else ("." if out else "") + str(p)
+    for k in reversed(keys):
+        # A key may be the bad string itself: escape it, so the error can be encoded.
+        out += f"[{k}]" if isinstance(k, int) else ("." if out else "") + k.encode(
+            "utf-8", "backslashreplace").decode("utf-8")
     return out
 
 
-def _check_string(s: str, path: list) -> None:
+def _reject(node, problem: str):
+    where = _where(node)
+    raise bad_request(f"{where or 'the request body'} {problem}", param=where or None)
+
+
+def _check_string(s: str, node) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        where = _where(path) or "the request body"
-        raise bad_request(f"{where} contains a lone UTF-16 surrogate (\\ud800-\\udfff): "
-                          "strings must be valid Unicode", param=_where(path) or None) from None
+        _reject(node, "contains a lone UTF-16 surrogate (\\ud800-\\udfff): strings must be valid Unicode")
 
 
-def check_json_value(value: Any, root: list | None = None) -> None:
+def check_json_value(value: Any) -> None:
     """Reject values the engine cannot represent: nesting deeper than
     MAX_JSON_DEPTH, strings (and object keys) that are not valid Unicode,
-    integers outside 64 bits. Iterative, so hostile depth cannot recurse."""
-    stack = [(value, list(root or []), 0)]
+    integers outside 64 bits. Iterative, so hostile depth cannot recurse;
+    field paths are built only for the error."""
+    stack = [(value, None, 0)]
     while stack:
-        v, path, depth = stack.pop()
+        v, node, depth = stack.pop()
         if isinstance(v, str):
-            _check_string(v, path)
+            _check_string(v, node)
         elif isinstance(v, bool) or v is None or isinstance(v, float):
             continue
         elif isinstance(v, int):
             if not _INT_MIN <= v <= _INT_MAX:
-                where = _where(path) or "the request body"
-                raise bad_request(f"{where}: integer {str(v)[:20]}... does not fit in 64 bits"
-                                  if len(str(v)) > 20 else f"{where}: integer {v} does not fit in 64 bits",
-                                  param=_where(path) or None)
+                digits = str(v)
+                _reject(node, f"holds the integer {digits if len(digits) <= 20 else digits[:20] + '...'}, "
+                              "which does not fit in 64 bits")
         elif isinstance(v, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
-                raise bad_request(f"{_where(path) or 'the request body'} is nested more than "
-                                  f"{MAX_JSON_DEPTH} levels deep", param=_where(path) or None)
-            if isinstance(v, dict):
-                for k, x in v.items():
-                    _check_string(k, path + [k])
-                    stack.append((x, path + [k], depth + 1))
-            else:
-                for i, x in enumerate(v):
-                    stack.append((x, path + [i], depth + 1))
+                _reject(node, f"is nested more than {MAX_JSON_DEPTH} levels deep")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    _check_string(k, (node, k))
+                stack.append((x, (node, k), depth + 1))
 
 
 def loads_body(raw: bytes) -> dict:
@@ -107,13 +114,6 @@ def loads_body(raw: bytes) -> dict:
 
 # Bodies above this are parsed and validated in a worker thread.
 _INLINE_BODY_BYTES = 64 << 10
-
-
-async def read_json(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) < _INLINE_BODY_BYTES:
-        return loads_body(raw)
-    return await off_loop(loads_body, raw)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
