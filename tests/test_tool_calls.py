@@ -21,7 +21,7 @@ def stream(parser, text: str, sizes=None, seed=0):
         events += parser.feed(text[i:i + n])
         i += n
     events += parser.finish()
-    return tc._merge(events)
+    return tc.assemble(events)
 
 
 def calls(events):
@@ -50,12 +50,15 @@ def test_hermes(chunk):
     assert "<tool_call" not in text(ev) and "</tool" not in text(ev)
 
 
+START_F = tc.ToolCallStart(0, "f")
+
+
 def test_hermes_text_streams_before_call_and_holds_partial_marker():
     p = tc.HermesParser()
     assert p.feed("Hello <tool") == [tc.Text("Hello ")]  # "<tool" held back
     assert p.feed("box> done") == [tc.Text("<toolbox> done")]  # not a marker after all
     assert p.feed(" <tool_call>{\"name\": \"f\", ") == [tc.Text(" ")]
-    assert p.feed('"arguments": {}}</tool_call>') == [tc.ToolCall("f", "{}")]
+    assert p.feed('"arguments": {}}</tool_call>') == [START_F, tc.ToolCallArgs(0, "{}"), tc.ToolCallEnd(0)]
     assert p.finish() == []
 
 
@@ -196,7 +199,7 @@ def feed_pieces(parser, pieces):
     events = []
     for p in pieces:
         events += parser.feed(p)
-    return tc._merge(events + parser.finish())
+    return tc.assemble(events + parser.finish())
 
 
 def test_tricky_arguments_hold_escapes_and_markup():
@@ -216,37 +219,44 @@ def test_calls_parse_in_every_split(case):
     assert n > len(raw)
 
 
-def cut_points(raw, opened_at, closed_at):
-    """Each cut of ``raw`` and how it must come back: before ``opened_at`` the
-    call has not begun (text), up to ``closed_at`` it is unfinished (text,
-    flagged), from there on it is a call."""
+def cut_points(raw, opened_at, args_at, args_end):
+    """Each cut of ``raw`` and how it must come back: before ``opened_at`` no
+    call has begun (text); up to the opening of the arguments at ``args_at``
+    the call is not recognisable yet (text, flagged); inside the arguments
+    the call has started and is ended there (a call with the arguments cut
+    short, flagged); from ``args_end`` on it is the whole call."""
     for k in range(len(raw) + 1):
-        yield k, ("text" if k < opened_at else "unfinished" if k < closed_at else "call")
+        yield k, ("text" if k < opened_at else "unrecognised" if k <= args_at
+                  else "cut" if k < args_end else "call")
 
 
-UNTERMINATED = {  # family, output, where the call is recognised, where its JSON closes
-    "hermes": ("hermes", "Hi.\n" + hermes_call("python", TRICKY), len("Hi.\n<tool_call>"),
-               len("Hi.\n<tool_call>\n" + json.dumps({"name": "python", "arguments": TRICKY}))),
+UNTERMINATED = {  # family, output, where the call region opens
+    "hermes": ("hermes", "Hi.\n" + hermes_call("python", TRICKY), len("Hi.\n<tool_call>")),
     "mistral": ("mistral", "Sure. [TOOL_CALLS]" + json.dumps([{"name": "python", "arguments": TRICKY}]),
-                len("Sure. [TOOL_CALLS]"), None),
-    "mistral_v11": ("mistral", "[TOOL_CALLS]python[ARGS]" + json.dumps(TRICKY), len("[TOOL_CALLS]"), None),
-    "llama3": ("llama3", llama_call("python", TRICKY), len('{"name":'), None),
+                len("Sure. [TOOL_CALLS]")),
+    "mistral_v11": ("mistral", "[TOOL_CALLS]python[ARGS]" + json.dumps(TRICKY), len("[TOOL_CALLS]")),
+    "llama3": ("llama3", llama_call("python", TRICKY), len('{"name":')),
 }
 
 
 @pytest.mark.parametrize("case", UNTERMINATED)
-def test_output_ending_inside_a_call_is_text_and_flagged(case):
-    family, raw, opened_at, closed_at = UNTERMINATED[case]
+def test_output_ending_inside_a_call(case):
+    family, raw, opened_at = UNTERMINATED[case]
+    args = json.dumps(TRICKY)
+    args_at = raw.index(args)
+    args_end = args_at + len(args)
     before = raw[:raw.index(tc.make_parser(family).START)] if family != "llama3" else ""
-    for k, kind in cut_points(raw, opened_at, closed_at or len(raw)):
+    for k, kind in cut_points(raw, opened_at, args_at, args_end):
         for pieces in ([raw[:k]], list(raw[:k])):
             p = tc.make_parser(family)
             ev = feed_pieces(p, pieces)
             if kind == "call":
                 assert ev == _merge_text(before, PY), k
+            elif kind == "cut":
+                assert ev == _merge_text(before, tc.ToolCall("python", raw[args_at:k])), k
             else:
                 assert ev == ([tc.Text(raw[:k])] if k else []), k
-            assert p.unfinished_call == (kind == "unfinished"), (k, kind)
+            assert p.unfinished_call == (kind in ("unrecognised", "cut")), (k, kind)
 
 
 def _merge_text(before, call):
@@ -263,15 +273,14 @@ def test_finished_call_then_cut_off_call(family, first, sep, cut):
     raw = first + sep + cut
     for pieces in ([raw], list(raw)):
         p = tc.make_parser(family)
-        assert feed_pieces(p, pieces) == [TIME, tc.Text(cut)]
+        assert feed_pieces(p, pieces) == [TIME, tc.ToolCall("python", cut[cut.index('{"code"'):])]
         assert p.unfinished_call
 
 
 @pytest.mark.parametrize("family,raw", [
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": }}</tool_call> ok'),
     ("hermes", '<tool_call>{"arguments": {"a": "</tool_call>"}}</tool_call> ok'),
+    ("hermes", "<tool_call>not json</tool_call> ok"),
     ("mistral", "[TOOL_CALLS][1, 2] ok"),
-    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1,} ok'),
     ("llama3", '{"name": 3, "parameters": {"a": "}"}} ok'),
 ])
 def test_closed_but_invalid_call_is_text_and_not_flagged(family, raw):
@@ -281,6 +290,52 @@ def test_closed_but_invalid_call_is_text_and_not_flagged(family, raw):
         assert not p.unfinished_call
 
 
+@pytest.mark.parametrize("family,raw,args", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": }}</tool_call>', '{"a": }'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1,}', '{"a": 1,}'),
+])
+def test_a_started_call_keeps_the_arguments_as_written(family, raw, args):
+    """Arguments stream as the model writes them, so a call that started is
+    a call even when its JSON turns out invalid (a client validates them)."""
+    for pieces in ([raw + " ok"], list(raw + " ok")):
+        p = tc.make_parser(family)
+        assert feed_pieces(p, pieces) == [tc.ToolCall("f", args), tc.Text(" ok")]
+
+
+def test_hermes_brace_left_off_before_the_end_marker():
+    raw = '<tool_call>{"name": "f", "arguments": {"a": "}"}</tool_call> ok'
+    for pieces in ([raw], list(raw)):
+        assert feed_pieces(tc.HermesParser(), pieces) == [tc.ToolCall("f", '{"a": "}"}'), tc.Text(" ok")]
+
+
+@pytest.mark.parametrize("family,raw", [
+    ("hermes", hermes_call("python", TRICKY)),
+    ("mistral", "[TOOL_CALLS]" + json.dumps([{"name": "python", "arguments": TRICKY}])),
+    ("mistral", "[TOOL_CALLS]python[ARGS]" + json.dumps(TRICKY)),
+    ("llama3", llama_call("python", TRICKY)),
+])
+def test_arguments_stream_in_pieces_that_join_to_the_call(family, raw):
+    """Fed a character at a time, the call starts once, its arguments come
+    as many pieces (one per character once the head is read), and the
+    pieces join to exactly the arguments' JSON."""
+    p = tc.make_parser(family)
+    events = [e for c in raw for e in p.feed(c)] + p.finish()
+    starts = [e for e in events if isinstance(e, tc.ToolCallStart)]
+    pieces = [e.text for e in events if isinstance(e, tc.ToolCallArgs)]
+    assert starts == [tc.ToolCallStart(0, "python")]
+    assert len(pieces) == len(json.dumps(TRICKY))
+    assert json.loads("".join(pieces)) == TRICKY
+    assert [type(e) for e in events].count(tc.ToolCallEnd) == 1
+    assert events.index(starts[0]) < events.index(next(e for e in events if isinstance(e, tc.ToolCallEnd)))
+
+
+def test_calls_in_one_output_get_their_own_indices():
+    p = tc.HermesParser()
+    events = p.feed(HERMES) + p.finish()
+    assert [e.index for e in events if isinstance(e, tc.ToolCallStart)] == [0, 1]
+    assert {e.index for e in events if isinstance(e, tc.ToolCallArgs)} == {0, 1}
+
+
 def test_hermes_complete_json_with_end_marker_cut_short_is_a_call():
     p = tc.HermesParser()
     assert p.parse(hermes_call("python", TRICKY)[:-4]) == [PY] and not p.unfinished_call
@@ -288,10 +343,10 @@ def test_hermes_complete_json_with_end_marker_cut_short_is_a_call():
 
 def test_hermes_end_marker_in_a_string_does_not_end_the_call():
     p = tc.HermesParser()
-    assert p.feed('Run:<tool_call>{"name": "python", "arguments": {"code": "</tool_call>') == [tc.Text("Run:")]
-    assert p.feed(' \\"}</tool_call>') == []
-    assert p.feed('"}}</tool_call> after') == [tc.ToolCall("python", '{"code": "</tool_call> \\"}</tool_call>"}'),
-                                              tc.Text(" after")]
+    assert p.feed('Run:<tool_call>{"name": "python", "arguments": {"code": "</tool_call>') == [
+        tc.Text("Run:"), tc.ToolCallStart(0, "python"), tc.ToolCallArgs(0, '{"code": "</tool_call>')]
+    assert p.feed(' \\"}</tool_call>') == [tc.ToolCallArgs(0, ' \\"}</tool_call>')]
+    assert p.feed('"}}</tool_call> after') == [tc.ToolCallArgs(0, '"}'), tc.ToolCallEnd(0), tc.Text(" after")]
     assert p.finish() == []
 
 
@@ -299,7 +354,8 @@ def test_mistral_text_streams_around_calls():
     p = tc.MistralParser()
     assert p.feed("Sure. [TOOL_") == [tc.Text("Sure. ")]
     assert p.feed("CALLS]get_time[AR") == []
-    assert p.feed('GS]{"tz": "[TOOL_CALLS]"}') == [tc.ToolCall("get_time", '{"tz": "[TOOL_CALLS]"}')]
+    assert p.feed('GS]{"tz": "[TOOL_CALLS]"}') == [
+        tc.ToolCallStart(0, "get_time"), tc.ToolCallArgs(0, '{"tz": "[TOOL_CALLS]"}'), tc.ToolCallEnd(0)]
     assert p.feed(" Done") == [tc.Text(" Done")]
     assert p.finish() == []
 
@@ -312,7 +368,7 @@ def test_llama3_holds_only_what_could_start_a_call():
     assert p.feed("<|python") == []
     assert p.feed("_tag|>print(1)") == [tc.Text("<|python_tag|>print(1)")]
     p = tc.Llama3JsonParser()
-    assert p.feed(llama_call("get_time", {"tz": "CET"})) == [TIME]
+    assert tc.assemble(p.feed(llama_call("get_time", {"tz": "CET"}))) == [TIME]
     assert p.feed("\nIt is noon") == [tc.Text("It is noon")]
     assert p.finish() == [] and not p.unfinished_call
 
@@ -324,13 +380,24 @@ def test_render_tool_call_round_trips_tricky_arguments(family):
 
 
 def test_output_parser_exposes_unfinished_call(tokenizer):
-    from mlxfast.server.generation import OutputParser
+    from mlxfast.server.chat import OutputParser
+    from mlxfast.server.events import ContentDelta
 
     parser = OutputParser(tokenizer, reasoning=False, in_reasoning=False, tool_family="hermes")
     raw = '<tool_call>\n{"name": "python", "arguments": {"code": "</tool_call>'
-    assert parser.feed(raw) == []
-    assert parser.finish() == [("content", raw)]
+    assert parser.feed("Hi " + raw) == [ContentDelta("Hi "), tc.ToolCallStart(0, "python"),
+                                        tc.ToolCallArgs(0, '{"code": "</tool_call>')]
+    assert parser.finish() == [tc.ToolCallEnd(0)]
     assert parser.tools.unfinished_call
+
+
+def test_output_parser_keeps_only_the_first_call_when_parallel_calls_are_off(tokenizer):
+    from mlxfast.server.chat import OutputParser
+
+    parser = OutputParser(tokenizer, reasoning=False, in_reasoning=False, tool_family="hermes", max_calls=1)
+    events = parser.feed(HERMES) + parser.finish()
+    assert [e.name for e in events if isinstance(e, tc.ToolCallStart)] == ["get_weather"]
+    assert all(e.index == 0 for e in events if isinstance(e, (tc.ToolCallArgs, tc.ToolCallEnd)))
 
 
 def test_long_arguments_parse_in_linear_time():
@@ -340,7 +407,7 @@ def test_long_arguments_parse_in_linear_time():
     events = []
     for i in range(0, len(raw), 4):
         events += p.feed(raw[i:i + 4])
-    assert tc._merge(events + p.finish()) == [tc.ToolCall("python", json.dumps({"code": code}))]
+    assert tc.assemble(events + p.finish()) == [tc.ToolCall("python", json.dumps({"code": code}))]
 
 
 # ---------------------------------------------------------------- reasoning

@@ -7,6 +7,8 @@ boundaries. Stop and EOS tokens are not turned into text.
 
 from __future__ import annotations
 
+from ..text.markers import held_suffix
+
 
 class _NullDetok:
     def add(self, token_id: int) -> str:
@@ -40,12 +42,7 @@ class OutputProcessor:
         if final:
             self.held = ""
             return buf
-        hold = 0
-        for s in self.stop:  # longest suffix of buf that is a prefix of a stop string
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
+        hold = held_suffix(buf, self.stop)
         self.held = buf[len(buf) - hold:] if hold else ""
         return buf[:len(buf) - hold]
 

@@ -9,7 +9,7 @@ import math
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from .common import off_loop, parse_body
+from .common import off_loop, parse_body, state_of
 from .errors import bad_request
 from .metrics import merged_values, render_prometheus
 from .prompts import build_chat_prompt
@@ -18,13 +18,9 @@ from .schemas import DetokenizeRequest, TokenizeRequest
 router = APIRouter()
 
 
-def _state(request: Request):
-    return request.app.state.mlxfast
-
-
 @router.get("/health")
 async def health(request: Request):
-    state = _state(request)
+    state = state_of(request)
     if state.status == "loading":
         return JSONResponse({"status": "loading"}, status_code=503)
     if state.status == "failed":
@@ -39,7 +35,7 @@ async def health(request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    state = _state(request)
+    state = state_of(request)
     text = render_prometheus(state.metrics, state.engine_stats(), state.settings.model_name)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -61,7 +57,7 @@ def _jsonable(v):
 
 @router.get("/stats")
 async def stats(request: Request):
-    state = _state(request)
+    state = state_of(request)
     engine_stats = state.engine_stats()
     return {
         "model": state.settings.model_name,
@@ -77,7 +73,7 @@ async def stats(request: Request):
 async def cache_flush(request: Request):
     """Write every cached KV block to the SSD tier and wait until it is durable:
     200 ``{durable: true, ...counters}``, else 503 with the counters."""
-    state = _state(request)
+    state = state_of(request)
     engine = state.require_ready()
     try:
         timeout = float(request.query_params.get("timeout", 60))
@@ -90,7 +86,7 @@ async def cache_flush(request: Request):
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    state = _state(request)
+    state = state_of(request)
     state.require_ready()
     body = await parse_body(request, TokenizeRequest)
     tok = state.tokenizer
@@ -115,7 +111,7 @@ async def tokenize(request: Request):
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    state = _state(request)
+    state = state_of(request)
     state.require_ready()
     body = await parse_body(request, DetokenizeRequest)
     vocab = state.model_vocab_size

@@ -10,22 +10,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..engine.api import Request as EngineRequest
-from ..text import tool_calls as tc
+from . import chat
 from . import generation as gen
-from .common import new_id, off_loop, parse_body
+from .chat import ChatRequest
+from .common import new_id, off_loop, parse_body, state_of
 from .errors import APIError, bad_request
-from .prompts import build_chat_prompt
+from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from .schemas import AnthropicCountRequest, AnthropicRequest
 from .sse import named_event, sse_response
 
 router = APIRouter()
 
 _MEDIA = ("image", "document", "audio", "video", "file", "search_result", "container_upload")
-
-
-def _state(request: Request):
-    return request.app.state.mlxfast
 
 
 def _block_text(block: Any, where: str) -> str:
@@ -118,51 +114,30 @@ def _tools(body) -> list[dict] | None:
     return tools
 
 
-def _prompt(state, body):
-    tools = _tools(body)
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+def chat_request(body) -> ChatRequest:
+    """A Messages body in the chat layer's neutral form."""
     choice = body.tool_choice
     ctype = choice.type if choice else "auto"
-    if ctype == "tool":
-        if not choice.name:
-            raise bad_request("tool_choice of type 'tool' needs a 'name'")
-        if not any(t["function"]["name"] == choice.name for t in tools or []):
-            raise bad_request(f"tool_choice names '{choice.name}', which is not in tools")
-    if ctype in ("any", "tool") and not tools:
-        raise bad_request(f"tool_choice '{ctype}' requires tools")
-    use_tools = bool(tools) and ctype != "none"
-    fmt = _output_format(body)
-    if fmt is not None and use_tools:
-        raise bad_request("output_config.format cannot be combined with tools unless tool_choice is "
-                          "'none' (one grammar constrains the whole answer)")
-    kwargs: dict = {}
-    if body.thinking is not None and body.thinking.type != "disabled" and (
-            fmt is not None or ctype in ("any", "tool")):
-        raise bad_request("thinking cannot be enabled with output_config.format or a forced tool_choice: "
-                          "the grammar leaves no room for a thinking block")
-    if body.thinking is not None:
-        kwargs["enable_thinking"] = body.thinking.type != "disabled"
-    elif fmt is not None or (use_tools and ctype in ("any", "tool")):
-        kwargs["enable_thinking"] = False  # the grammar leaves no room for <think>
-    prompt = build_chat_prompt(state.tokenizer, to_messages(body), tools=tools, use_tools=use_tools,
-                               template_kwargs=kwargs, keep_billing_header=state.settings.keep_billing_header)
-    return prompt, tools, ctype, use_tools
-
-
-def _output_format(body):
+    if ctype == "tool" and not choice.name:
+        raise bad_request("tool_choice of type 'tool' needs a 'name'")
     config = getattr(body, "output_config", None)
-    return config.format if config is not None else None
+    fmt = config.format if config is not None else None
+    return ChatRequest(
+        messages=to_messages(body), sampling=body, max_tokens=getattr(body, "max_tokens", None),
+        stop=getattr(body, "stop_sequences", None), tools=_tools(body), tool_choice=_TOOL_CHOICES[ctype],
+        forced_tool=choice.name if ctype == "tool" else None,
+        parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
+        json_output=fmt is not None, output_schema=fmt.schema_ if fmt is not None else None,
+        output_param="output_config.format.schema",
+        thinking=None if body.thinking is None else body.thinking.type != "disabled",
+        id_prefix="msg_")
 
 
 def _prepare(state, body):
-    prompt, tools, ctype, use_tools = _prompt(state, body)
-    grammar = None
-    fmt = _output_format(body)
-    if use_tools and ctype in ("any", "tool"):
-        grammar = state.grammar.tool_calls(prompt.tool_family or "hermes", [t["function"] for t in tools],
-                                           body.tool_choice.name if ctype == "tool" else None)
-    elif fmt is not None:
-        grammar = state.grammar.json_schema(fmt.schema_, param="output_config.format.schema")
-    return prompt, tools, ctype, use_tools, grammar
+    return chat.prepare(state, chat_request(body))
 
 
 def _signature(text: str) -> str:
@@ -188,9 +163,11 @@ def _usage(ev) -> dict:
     }
 
 
-def _tool_input(call: tc.ToolCall) -> dict:
+def _tool_input(arguments: str) -> dict:
+    """A call's arguments as the input object (``{}`` when the model's JSON
+    does not parse: it was cut off, say)."""
     try:
-        v = json.loads(call.arguments)
+        v = json.loads(arguments)
     except json.JSONDecodeError:
         v = {}
     return v if isinstance(v, dict) else {}
@@ -198,46 +175,44 @@ def _tool_input(call: tc.ToolCall) -> dict:
 
 @router.post("/v1/messages")
 async def messages(request: Request):
-    state = _state(request)
+    state = state_of(request)
     state.require_ready()
     body = await parse_body(request, AnthropicRequest)
     model = state.resolve_model(body.model)
-    prompt, tools, ctype, use_tools, grammar = await off_loop(_prepare, state, body)
-    max_tokens = gen.cap_max_tokens(state, len(prompt.ids), body.max_tokens)
-    params = gen.sampling_params(state, body, max_tokens, stop=body.stop_sequences, grammar=grammar)
-    ereq = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=new_id("msg_"))
-    parser = gen.OutputParser(state.tokenizer, reasoning=prompt.reasoning and grammar is None,
-                              in_reasoning=prompt.in_reasoning and grammar is None,
-                              tool_family=prompt.tool_family if use_tools else None)
+    prepared = await off_loop(_prepare, state, body)
+    ereq, parser = prepared.request, prepared.parser(state.tokenizer)
     if body.stream:
         steps = await gen.run(state, ereq, parser, heartbeat_s=state.settings.heartbeat_s)
-        return sse_response(_stream(state, ereq, steps, model, len(prompt.ids)))
+        return sse_response(_stream(ereq, steps, model, len(ereq.prompt_ids)))
     steps = await gen.run(state, ereq, parser, http_request=request, heartbeat_s=state.settings.disconnect_poll_s)
     blocks: list[dict] = []
+    args: dict[int, list] = {}  # a call's index -> [its block, its arguments' text]
     finish = None
-    n_calls = 0
     async for step in steps:
         for p in step.pieces:
-            if isinstance(p, tc.ToolCall):
-                n_calls += 1
-                blocks.append({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": _tool_input(p)})
-                continue
-            kind, text = p
-            btype = "thinking" if kind == "reasoning" else "text"
-            if blocks and blocks[-1]["type"] == btype:
-                blocks[-1][btype] += text
-            else:
-                blocks.append({"type": btype, btype: text})
+            if isinstance(p, ToolCallStart):
+                blocks.append({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": {}})
+                args[p.index] = [blocks[-1], ""]
+            elif isinstance(p, ToolCallArgs):
+                args[p.index][1] += p.text
+            elif isinstance(p, (ContentDelta, ReasoningDelta)):
+                btype = "thinking" if isinstance(p, ReasoningDelta) else "text"
+                if blocks and blocks[-1]["type"] == btype:
+                    blocks[-1][btype] += p.text
+                else:
+                    blocks.append({"type": btype, btype: p.text})
         if step.finish is not None:
             finish = step.finish
     if finish is None:
         return JSONResponse({}, status_code=499)
     if finish.finish_reason == "error":
         raise APIError(500, f"generation failed: {finish.error or 'engine error'}", "server_error")
+    for block, text in args.values():
+        block["input"] = _tool_input(text)
     for b in blocks:
         if b["type"] == "thinking":
             b["signature"] = _signature(b["thinking"])
-    stop_reason, stop_seq = _stop_reason(finish, n_calls)
+    stop_reason, stop_seq = _stop_reason(finish, len(args))
     return {
         "id": ereq.request_id, "type": "message", "role": "assistant", "model": model,
         "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_seq,
@@ -245,7 +220,7 @@ async def messages(request: Request):
     }
 
 
-async def _stream(state, ereq, steps, model, n_prompt):
+async def _stream(ereq, steps, model, n_prompt):
     index = -1
     open_type: str | None = None
     thinking_text: list[str] = []
@@ -280,32 +255,33 @@ async def _stream(state, ereq, steps, model, n_prompt):
                 yield named_event("ping", {"type": "ping"})
                 continue
             for p in step.pieces:
-                if isinstance(p, tc.ToolCall):
+                if isinstance(p, ToolCallStart):
                     for b in close():
                         yield b
                     index += 1
                     n_calls += 1
-                    yield start({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": {}})
-                    yield delta({"type": "input_json_delta", "partial_json": p.arguments})
                     open_type = "tool_use"
+                    yield start({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": {}})
+                elif isinstance(p, ToolCallArgs):
+                    yield delta({"type": "input_json_delta", "partial_json": p.text})
+                elif isinstance(p, ToolCallEnd):
                     for b in close():
                         yield b
-                    continue
-                kind, text = p
-                btype = "thinking" if kind == "reasoning" else "text"
-                if open_type != btype:
-                    for b in close():
-                        yield b
-                    index += 1
-                    open_type = btype
-                    thinking_text = []
-                    yield start({"type": "thinking", "thinking": "", "signature": ""} if btype == "thinking"
-                                else {"type": "text", "text": ""})
-                if btype == "thinking":
-                    thinking_text.append(text)
-                    yield delta({"type": "thinking_delta", "thinking": text})
-                else:
-                    yield delta({"type": "text_delta", "text": text})
+                elif isinstance(p, (ContentDelta, ReasoningDelta)):
+                    btype = "thinking" if isinstance(p, ReasoningDelta) else "text"
+                    if open_type != btype:
+                        for b in close():
+                            yield b
+                        index += 1
+                        open_type = btype
+                        thinking_text = []
+                        yield start({"type": "thinking", "thinking": "", "signature": ""} if btype == "thinking"
+                                    else {"type": "text", "text": ""})
+                    if btype == "thinking":
+                        thinking_text.append(p.text)
+                        yield delta({"type": "thinking_delta", "thinking": p.text})
+                    else:
+                        yield delta({"type": "text_delta", "text": p.text})
             ev = step.finish
             if ev is None:
                 continue
@@ -327,9 +303,9 @@ async def _stream(state, ereq, steps, model, n_prompt):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    state = _state(request)
+    state = state_of(request)
     state.require_ready()
     body = await parse_body(request, AnthropicCountRequest)
     state.resolve_model(body.model)
-    prompt, *_ = await off_loop(_prompt, state, body)
+    prompt, _ = await off_loop(lambda: chat.render(state, chat_request(body)))
     return {"input_tokens": len(prompt.ids)}

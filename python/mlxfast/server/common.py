@@ -29,6 +29,11 @@ MAX_JSON_DEPTH = 128
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
+def state_of(request: Request):
+    """The server's state (``ServerState``) behind a route."""
+    return request.app.state.mlxfast
+
+
 def new_id(prefix: str, n: int = 24) -> str:
     return prefix + "".join(secrets.choice(_ALPHABET) for _ in range(n))
 

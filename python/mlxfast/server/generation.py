@@ -1,6 +1,6 @@
-"""One request through the engine, shared by both APIs: submit, turn engine
-events into parsed output (content / reasoning / tool calls), record
-metrics, and abort the request if the client goes away."""
+"""One request through the engine, shared by every API: submit, turn engine
+events into parsed output (``chat.py``'s typed events), record metrics, and
+abort the request if the client goes away."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from ..engine.api import (
     SamplingParams,
     TokenEvent,
 )
-from ..text import tool_calls as tc
-from ..text.reasoning import ReasoningParser
 from .errors import APIError, bad_request
+from .events import ContentDelta
 from .sse import HEARTBEAT, with_heartbeat
 from .state import ServerState
 
@@ -30,8 +29,9 @@ from .state import ServerState
 class Step:
     """What one engine event produced after parsing."""
 
-    pieces: list = field(default_factory=list)  # ("content"|"reasoning", text) | ToolCall
+    pieces: list = field(default_factory=list)  # chat.ContentDelta | ReasoningDelta | tool-call events
     token: TokenEvent | None = None
+    reasoning: bool = False  # the token was written inside the model's reasoning
     finish: FinishEvent | None = None
     heartbeat: bool = False
 
@@ -102,59 +102,16 @@ def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, log
     )
 
 
-class OutputParser:
-    """Engine text -> ``("reasoning"|"content", text)`` pieces and ToolCalls."""
+class PlainText:
+    """The output parser of a text completion: all content."""
 
-    def __init__(self, tokenizer, *, reasoning: bool, in_reasoning: bool, tool_family: str | None):
-        self.reasoning = ReasoningParser(in_reasoning) if reasoning else None
-        self.tools = tc.make_parser(tool_family) if tool_family else None
-        # Markup held as special tokens, whose text a detokenizer may drop.
-        self._markers: dict[int, str] = {}
-        if tool_family:
-            for text in tc.markup_tokens(tool_family):
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                if len(ids) == 1:
-                    self._markers[ids[0]] = text
+    in_reasoning = False
 
     def feed(self, text: str, token_id: int | None = None) -> list:
-        if token_id is not None and token_id in self._markers and self._markers[token_id] not in text:
-            text = self._markers[token_id] + text
-        return self._route(self.reasoning.feed(text) if self.reasoning else [("content", text)])
+        return [ContentDelta(text)] if text else []
 
     def finish(self, text: str = "") -> list:
-        parts = self.reasoning.feed(text) + self.reasoning.finish() if self.reasoning else [("content", text)]
-        out = self._route(parts)
-        if self.tools:
-            out += self._wrap(self.tools.finish())
-        return _merge(out)
-
-    def _route(self, parts) -> list:
-        out: list = []
-        for kind, text in parts:
-            if not text:
-                continue
-            if kind == "content" and self.tools:
-                out += self._wrap(self.tools.feed(text))
-            else:
-                out.append((kind, text))
-        return _merge(out)
-
-    @staticmethod
-    def _wrap(events) -> list:
-        return [("content", e.text) if isinstance(e, tc.Text) else e for e in events]
-
-
-def _merge(pieces: list) -> list:
-    out: list = []
-    for p in pieces:
-        if isinstance(p, tuple):
-            if not p[1]:
-                continue
-            if out and isinstance(out[-1], tuple) and out[-1][0] == p[0]:
-                out[-1] = (p[0], out[-1][1] + p[1])
-                continue
-        out.append(p)
-    return out
+        return self.feed(text)
 
 
 def submit(state: ServerState, request: Request):
@@ -175,7 +132,7 @@ def submit(state: ServerState, request: Request):
 async def run(
     state: ServerState,
     request: Request,
-    parser: OutputParser,
+    parser,
     *,
     http_request=None,
     heartbeat_s: float | None = None,
@@ -212,7 +169,8 @@ async def _steps(state, request, stream, parser, http_request, heartbeat_s):
                 elif last is not None:
                     metrics.token_gap(now - last)
                 last = now
-                yield Step(pieces=parser.feed(ev.text, ev.token_id), token=ev)
+                reasoning = parser.in_reasoning
+                yield Step(pieces=parser.feed(ev.text, ev.token_id), token=ev, reasoning=reasoning)
             elif isinstance(ev, FinishEvent):
                 finished = True
                 metrics.finished(got_token, now - t0, ev.finish_reason, ev.prompt_tokens,
@@ -248,7 +206,7 @@ def fan_out(request: Request, n: int) -> list[Request]:
     return out
 
 
-async def run_many(state: ServerState, requests: list[Request], parsers: list[OutputParser], *,
+async def run_many(state: ServerState, requests: list[Request], parsers: list, *,
                    http_request=None, heartbeat_s: float | None = None) -> AsyncIterator[tuple[int, Step]]:
     """``run`` for requests that share one prompt, yielding ``(index, Step)``.
     The first runs alone until its first event, when its prompt's blocks are
@@ -274,7 +232,7 @@ async def run_many(state: ServerState, requests: list[Request], parsers: list[Ou
     return _fan_in([(0, _indexed(first))], later=the_rest)
 
 
-async def run_groups(state: ServerState, groups: list[list[Request]], parsers: list[list[OutputParser]], *,
+async def run_groups(state: ServerState, groups: list[list[Request]], parsers: list[list], *,
                      http_request=None, heartbeat_s: float | None = None) -> AsyncIterator[tuple[int, Step]]:
     """``run_many`` for several prompts at once (a batched completion), each
     group its own prompt; indices run over all groups' requests in order."""

@@ -90,10 +90,12 @@ class GrammarCompiler:
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
-    def tool_calls(self, family: str, tools: list[dict], name: str | None,
-                   param: str = "tools") -> Callable[[], Any]:
+    def tool_calls(self, family: str, tools: list[dict], name: str | None, param: str = "tools", *,
+                   answer: dict | None = None, answer_param: str = "response_format") -> Callable[[], Any]:
         """Force the model to call a tool (``name``, or any of ``tools``), in
-        the markup ``family`` that its tool-call parser reads."""
+        the markup ``family`` that its tool-call parser reads; with ``answer``
+        (a JSON schema), the model may give a JSON answer that follows it
+        instead of the call."""
         import llguidance
 
         chosen = [t for t in tools if name is None or t["name"] == name]
@@ -125,11 +127,16 @@ class GrammarCompiler:
                 f'start: {self._marker("<tool_call>")} "\\n" call "\\n" {self._marker("</tool_call>")}\n'
                 f"call: %json {body}\n"
             )
+        if answer is not None:
+            if not isinstance(answer, dict):
+                raise bad_request(f"{answer_param} must be an object", answer_param)
+            lark = lark.replace("start:", "calls:", 1)
+            lark = f"start: calls | answer\nanswer: %json {json.dumps(dict(answer, **{'x-guidance': _JSON_OPTIONS}))}\n" + lark
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError, RecursionError) as e:
-            raise bad_request(f"{param}: a tool's parameters are not a JSON schema mlxfast can enforce: "
-                              f"{_first_line(str(e))}", param) from None
+            raise bad_request(f"{param}: a tool's parameters (or {answer_param}) are not a JSON schema mlxfast "
+                              f"can enforce: {_first_line(str(e))}", param) from None
         return self._factory(grammar, param)
 
 

@@ -10,19 +10,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..engine.api import Request as EngineRequest
-from ..text import tool_calls as tc
+from . import chat
 from . import generation as gen
-from .common import new_id, off_loop, parse_body
+from .chat import ChatRequest
+from .common import new_id, off_loop, parse_body, state_of
 from .errors import APIError, bad_request
-from .prompts import build_chat_prompt, template_kwargs_for, tool_message_content
+from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallStart
+from .prompts import template_kwargs_for, tool_message_content
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
 from .sse import DONE, data_event, sse_response
 
 router = APIRouter()
-
-
-def _state(request: Request):
-    return request.app.state.mlxfast
 
 
 # ------------------------------------------------------------ messages
@@ -118,63 +116,40 @@ def _tools_and_choice(body: ChatCompletionRequest):
     return tools, NamedToolChoice(function=fc)
 
 
-def _prepare_chat(state, body: ChatCompletionRequest):
-    tok = state.tokenizer
+def chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    """A chat completion body in the chat layer's neutral form."""
     if body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is supported on /v1/completions (or use echo with logprobs there), "
                           "not on chat completions", "prompt_logprobs")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    messages = normalize_messages(body.messages)
     tools, choice = _tools_and_choice(body)
-    if choice is not None and choice != "none" and not tools:
-        if choice != "auto":
-            raise bad_request("tool_choice requires tools", "tool_choice")
-    forced_name = None
-    if not isinstance(choice, str) and choice is not None:
-        forced_name = choice.function.name
-        if not any(t["function"]["name"] == forced_name for t in tools or []):
-            raise bad_request(f"tool_choice names '{forced_name}', which is not in tools", "tool_choice")
-    use_tools = bool(tools) and choice != "none"
-    kwargs = template_kwargs_for(body.reasoning_effort, body.chat_template_kwargs)
-    constrained = (use_tools and (choice == "required" or forced_name is not None)) or (
-        body.response_format is not None and body.response_format.type != "text")
-    if constrained:
-        # A grammar leaves no room for a <think> block: ask the template not to open one.
-        kwargs.setdefault("enable_thinking", False)
-    prompt = build_chat_prompt(
-        tok, messages, tools=tools, use_tools=use_tools, template_kwargs=kwargs,
+    forced = None
+    if choice is None:
+        choice = "auto"
+    elif not isinstance(choice, str):
+        choice, forced = "function", choice.function.name
+    rf = body.response_format
+    schema = None
+    if rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        schema = rf.json_schema.schema_
+    return ChatRequest(
+        messages=normalize_messages(body.messages), sampling=body,
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        stop=body.stop, tools=tools, tool_choice=choice, forced_tool=forced,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        json_output=rf is not None and rf.type != "text", output_schema=schema,
+        template_kwargs=template_kwargs_for(body.reasoning_effort, body.chat_template_kwargs),
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message),
-        keep_billing_header=state.settings.keep_billing_header,
-    )
-    grammar = None
-    if use_tools and (choice == "required" or forced_name):
-        grammar = state.grammar.tool_calls(
-            prompt.tool_family or "hermes", [t["function"] for t in tools], forced_name)
-    elif body.response_format is not None and body.response_format.type != "text":
-        rf = body.response_format
-        if rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
-            grammar = state.grammar.json_schema(rf.json_schema.schema_)
-        else:
-            grammar = state.grammar.json_schema(None)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = gen.cap_max_tokens(state, len(prompt.ids), requested)
-    params = gen.sampling_params(
-        state, body, max_tokens, stop=body.stop, logprobs=bool(body.logprobs),
-        top_logprobs=body.top_logprobs or 0, grammar=grammar)
-    rid = new_id("chatcmpl-")
-    ereq = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=rid,
-                         cache_salt=body.cache_salt or "")
+        logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
+        cache_salt=body.cache_salt or "", id_prefix="chatcmpl-")
 
-    def make_parser():
-        return gen.OutputParser(tok, reasoning=prompt.reasoning and grammar is None,
-                                in_reasoning=prompt.in_reasoning and grammar is None,
-                                tool_family=prompt.tool_family if use_tools else None)
 
-    return ereq, make_parser
+def _prepare_chat(state, body: ChatCompletionRequest):
+    return chat.prepare(state, chat_request(body))
 
 
 def _finish_reason(ev, n_calls: int) -> str:
@@ -198,13 +173,14 @@ def _engine_error(ev) -> APIError:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state = _state(request)
+    state = state_of(request)
     state.require_ready()
     body = await parse_body(request, ChatCompletionRequest)
     model = state.resolve_model(body.model)
-    ereq, make_parser = await off_loop(_prepare_chat, state, body)
+    prepared = await off_loop(_prepare_chat, state, body)
+    ereq = prepared.request
     requests = gen.fan_out(ereq, body.n or 1)
-    parsers = [make_parser() for _ in requests]
+    parsers = [prepared.parser(state.tokenizer) for _ in requests]
     if body.stream:
         steps = await gen.run_many(state, requests, parsers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -243,13 +219,15 @@ class _Choice:
         if step.token is not None and body.logprobs:
             self.logprobs.append(chat_logprobs(tok, step.token, body.top_logprobs or 0))
         for p in step.pieces:
-            if isinstance(p, tc.ToolCall):
+            if isinstance(p, ToolCallStart):
                 self.calls.append({"id": new_id("call_"), "type": "function",
-                                   "function": {"name": p.name, "arguments": p.arguments}})
-            elif p[0] == "reasoning":
-                self.reasoning.append(p[1])
-            else:
-                self.content.append(p[1])
+                                   "function": {"name": p.name, "arguments": ""}})
+            elif isinstance(p, ToolCallArgs):
+                self.calls[p.index]["function"]["arguments"] += p.text
+            elif isinstance(p, ReasoningDelta):
+                self.reasoning.append(p.text)
+            elif isinstance(p, ContentDelta):
+                self.content.append(p.text)
         if step.finish is not None:
             self.finish = step.finish
 
@@ -323,20 +301,22 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
             lp = {"content": [chat_logprobs(tok, step.token, top_n)]}
         sent_lp = False
         for p in step.pieces:
-            if isinstance(p, tc.ToolCall) and legacy:
-                if n_calls[i] == 0:  # the legacy shape carries one call
-                    yield chunk(i, {"function_call": {"name": p.name, "arguments": ""}})
-                    yield chunk(i, {"function_call": {"arguments": p.arguments}})
+            if isinstance(p, ToolCallStart):
                 n_calls[i] += 1
-            elif isinstance(p, tc.ToolCall):
-                call = {"index": n_calls[i], "id": new_id("call_"), "type": "function",
-                        "function": {"name": p.name, "arguments": ""}}
-                yield chunk(i, {"tool_calls": [call]})
-                yield chunk(i, {"tool_calls": [{"index": n_calls[i], "function": {"arguments": p.arguments}}]})
-                n_calls[i] += 1
-            else:
-                key = "reasoning_content" if p[0] == "reasoning" else "content"
-                yield chunk(i, {key: p[1]}, logprobs=None if sent_lp else lp)
+                if legacy:  # the legacy shape carries one call
+                    if p.index == 0:
+                        yield chunk(i, {"function_call": {"name": p.name, "arguments": ""}})
+                    continue
+                yield chunk(i, {"tool_calls": [{"index": p.index, "id": new_id("call_"), "type": "function",
+                                                "function": {"name": p.name, "arguments": ""}}]})
+            elif isinstance(p, ToolCallArgs):
+                if not legacy:
+                    yield chunk(i, {"tool_calls": [{"index": p.index, "function": {"arguments": p.text}}]})
+                elif p.index == 0:
+                    yield chunk(i, {"function_call": {"arguments": p.text}})
+            elif isinstance(p, (ContentDelta, ReasoningDelta)):
+                key = "reasoning_content" if isinstance(p, ReasoningDelta) else "content"
+                yield chunk(i, {key: p.text}, logprobs=None if sent_lp else lp)
                 sent_lp = True
         if lp is not None and not sent_lp:
             yield chunk(i, {"content": ""}, logprobs=lp)
@@ -458,7 +438,7 @@ def _vllm_prompt_logprobs(tok, ids, scores, k: int) -> list | None:
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    state = _state(request)
+    state = state_of(request)
     state.require_ready()
     body = await parse_body(request, CompletionRequest)
     n = body.n or 1
@@ -480,8 +460,7 @@ async def completions(request: Request):
     prepared = [await off_loop(_prepare_completion, state, body, p) for p in prompts]
 
     def parsers(k):
-        return [gen.OutputParser(state.tokenizer, reasoning=False, in_reasoning=False, tool_family=None)
-                for _ in range(k)]
+        return [gen.PlainText() for _ in range(k)]
 
     groups = [gen.fan_out(ereq, best_of) for _, _, ereq in prepared]
     rid = prepared[0][2].request_id
@@ -531,7 +510,7 @@ class _CompletionOut:
             self.scores = ev.prompt_logprobs
         if step.token is not None:
             self.events.append(step.token)
-        self.text += [p[1] for p in step.pieces if isinstance(p, tuple)]
+        self.text += [p.text for p in step.pieces if isinstance(p, ContentDelta)]
         if step.finish is not None:
             self.finish = step.finish
 
@@ -578,7 +557,7 @@ async def _completion_stream(state, rid, prepared, steps, per_prompt, model, bod
                 yield chunk(i, echo[i], logprobs=_completion_logprobs(
                     tok, _prompt_entries(ids, first.prompt_logprobs), n_lp, 0))
             echo[i] = ""
-        text = "".join(p[1] for p in step.pieces if isinstance(p, tuple))
+        text = "".join(p.text for p in step.pieces if isinstance(p, ContentDelta))
         lp = None
         if step.token is not None and n_lp is not None:
             lp = _completion_logprobs(tok, _token_entries([step.token]), n_lp, offset[i])
@@ -607,13 +586,13 @@ async def _completion_stream(state, rid, prepared, steps, per_prompt, model, bod
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    state = _state(request)
+    state = state_of(request)
     return {"object": "list", "data": [_model_card(state, state.settings.model_name)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    state = _state(request)
+    state = state_of(request)
     if model_id not in state.served_names:
         raise APIError(404, f"the model '{model_id}' does not exist; this server serves "
                        + ", ".join(f"'{n}'" for n in state.served_names),

@@ -11,15 +11,10 @@ back until the next piece decides it.
 
 from __future__ import annotations
 
+from .markers import held_suffix
+
 START = "<think>"
 END = "</think>"
-
-
-def _held(buf: str, marker: str) -> int:
-    for n in range(min(len(buf), len(marker) - 1), 0, -1):
-        if marker.startswith(buf[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -71,7 +66,7 @@ class ReasoningParser:
                 self._state = "content"
                 self._strip_content = True
                 continue
-            keep = _held(self._buf, END)
+            keep = held_suffix(self._buf, (END,))
             emit = self._buf[: len(self._buf) - keep]
             if emit:
                 out.append(("reasoning", emit))

@@ -14,11 +14,17 @@ Three families of markup are understood:
 Every parser is streaming: ``feed(text)`` returns the events that are final so
 far, ``finish()`` the rest; text may arrive in pieces of any size. Text before
 a call streams out as it arrives; a tail that could still become a marker is
-held back until it can no longer be one. Inside a call, JSON is scanned
-(strings, escapes, nesting), so markup written inside an argument string does
-not end the call. A call whose JSON does not parse is given back as its raw
-text; when that happens because the output ended inside the call (cut off by
-max_tokens, say), ``finish()`` also sets ``parser.unfinished_call``.
+held back until it can no longer be one. A call streams too: once its name and
+the opening of its arguments have been read it starts (``ToolCallStart``), and
+its arguments follow as ``ToolCallArgs`` pieces of the JSON text the model
+writes, then ``ToolCallEnd``; ``assemble`` joins them into ``ToolCall``s.
+Inside a call, JSON is scanned (strings, escapes, nesting), so markup written
+inside an argument string does not end the call. Arguments are the model's own
+text: a call that started is a call, even if the output ends inside its
+arguments (then ``finish()`` ends it and sets ``parser.unfinished_call``).
+A call in any other shape (``arguments`` before ``name``, arguments as a JSON
+string, OpenAI's ``{"function": ...}``) is read whole and comes out at its
+end; one that does not parse as a call is given back as its raw text.
 """
 
 from __future__ import annotations
@@ -28,11 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as a string
+from .markers import held_suffix
 
 
 @dataclass
@@ -40,10 +42,39 @@ class Text:
     text: str
 
 
-Event = Union[Text, ToolCall]
+@dataclass
+class ToolCallStart:
+    index: int  # 0, 1, ... over the output's calls
+    name: str
+
+
+@dataclass
+class ToolCallArgs:
+    index: int
+    text: str  # the next piece of the arguments' JSON text
+
+
+@dataclass
+class ToolCallEnd:
+    index: int
+
+
+@dataclass
+class ToolCall:
+    """A whole call, as ``assemble`` builds it from the streamed events."""
+
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+Event = Union[Text, ToolCallStart, ToolCallArgs, ToolCallEnd]
 
 _DECODER = json.JSONDecoder()
 _SEPARATORS = " \t\r\n;,"
+_WS = " \t\r\n"
+# A call's head ({"name": "...", "arguments": ) is short; past this many
+# characters without one, the object is read whole instead (linear time).
+_HEAD_LIMIT = 4096
 
 
 class _JsonScanner:
@@ -51,9 +82,9 @@ class _JsonScanner:
     (with escapes) and brace/bracket nesting, to tell where a value ends and
     whether a marker stands outside any JSON value."""
 
-    def __init__(self, start: int = 0):
+    def __init__(self, start: int = 0, depth: int = 0):
         self.pos = start  # how far into the caller's buffer it has read
-        self.depth = 0
+        self.depth = depth
         self.in_string = False
         self.escaped = False
 
@@ -70,6 +101,7 @@ class _JsonScanner:
                 self.escaped = True
             elif c == '"':
                 self.in_string = False
+                return self.depth == 0
         elif c == '"':
             self.in_string = True
         elif c in "{[":
@@ -79,12 +111,20 @@ class _JsonScanner:
             return self.depth == 0
         return False
 
-    def value_end(self, buf: str) -> int:
+    def value_end(self, buf: str, stop_marker: str | None = None) -> int:
         """Read on through ``buf``: the index just past the top-level value
-        that closes, or -1 if it is still open."""
+        that closes, or -1 if it is still open. With ``stop_marker``, the
+        value also ends where that marker stands outside strings at depth 1
+        (the object it closes left unclosed): then the marker's index."""
         while self.pos < len(buf):
+            c = buf[self.pos]
+            if stop_marker and c == stop_marker[0] and self.depth == 1 and not self.in_string:
+                if buf.startswith(stop_marker, self.pos):
+                    return self.pos
+                if stop_marker.startswith(buf[self.pos:]):
+                    return -1
             self.pos += 1
-            if self._step(buf[self.pos - 1]):
+            if self._step(c):
                 return self.pos
         return -1
 
@@ -102,22 +142,75 @@ class _JsonScanner:
         return -1
 
 
-def _held_prefix(buf: str, marker: str) -> int:
-    """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(buf), len(marker) - 1), 0, -1):
-        if marker.startswith(buf[-n:]):
-            return n
-    return 0
-
-
 def _text_until(buf: str, marker: str) -> tuple[str, str, bool]:
     """Split ``buf`` at its first ``marker``: (text before, text after, True);
     without one: (text that can go out now, tail that may become the marker, False)."""
     i = buf.find(marker)
     if i >= 0:
         return buf[:i], buf[i + len(marker):], True
-    keep = len(buf) - _held_prefix(buf, marker)
+    keep = len(buf) - held_suffix(buf, (marker,))
     return buf[:keep], buf[keep:], False
+
+
+def _skip(buf: str, i: int, chars: str) -> int:
+    while i < len(buf) and buf[i] in chars:
+        i += 1
+    return i
+
+
+def _read_string(buf: str, i: int):
+    """The JSON string opening at ``buf[i]``: (its value, the index past it),
+    None while unterminated, False if it is not a valid string."""
+    j = i + 1
+    while j < len(buf):
+        c = buf[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            try:
+                return json.loads(buf[i:j + 1]), j + 1
+            except json.JSONDecodeError:
+                return False
+        j += 1
+    return None
+
+
+def _read_head(buf: str, start: int, arg_keys):
+    """The head of a call object opening at ``buf[start]``:
+    ``{"name": "<name>", "<arg key>": `` then ``{`` or ``"``. Returns
+    (name, index of the arguments' value, its first character), None while
+    the buffer may still grow into one, False when it is another shape."""
+    i, name = start + 1, None
+    for want in ("name key", ":", "name", ",", "args key", ":", "value"):
+        i = _skip(buf, i, _WS)
+        if i >= len(buf):
+            return None if len(buf) - start <= _HEAD_LIMIT else False
+        c = buf[i]
+        if want in (":", ","):
+            if c != want:
+                return False
+            i += 1
+            continue
+        if want == "value":
+            return (name, i, c) if c in '{"' else False
+        if c != '"':
+            return False
+        read = _read_string(buf, i)
+        if read is None:
+            return None if len(buf) - start <= _HEAD_LIMIT else False
+        if read is False:
+            return False
+        value, i = read
+        if want == "name key" and value != "name":
+            return False
+        if want == "args key" and value not in arg_keys:
+            return False
+        if want == "name":
+            if not isinstance(value, str) or not value:
+                return False
+            name = value
+    return False  # not reached
 
 
 def _call_from_obj(obj: Any, arg_keys=("arguments", "parameters")) -> ToolCall | None:
@@ -145,6 +238,95 @@ def _call_from_obj(obj: Any, arg_keys=("arguments", "parameters")) -> ToolCall |
     return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
+class _CallObject:
+    """One call object read from ``start`` (its ``{``) as the caller's buffer
+    grows: ``read(buf)`` returns the events it made final; ``end`` is set
+    (the index past the object) once it is read, with ``valid`` False when it
+    was not a call. With ``name``, the object is the arguments alone
+    (Mistral's ``name[ARGS]{...}``). ``end_marker`` (Hermes'
+    ``</tool_call>``) may stand in for a brace the model left off after the
+    arguments."""
+
+    def __init__(self, start: int, index: int, arg_keys=("arguments", "parameters"),
+                 name: str | None = None, end_marker: str | None = None):
+        self.start, self.index, self.arg_keys, self.end_marker = start, index, arg_keys, end_marker
+        self.end = -1
+        self.valid = True
+        self.started = False
+        self.unfinished = False
+        self._name = name
+        self._scan: _JsonScanner | None = None
+        self._sent = start  # how much of the arguments has gone out
+        self._state = "head"
+        if name is not None:
+            self._open_args(start, alone=True)
+
+    def _open_args(self, at: int, alone: bool = False) -> None:
+        self._state = "args_alone" if alone else "args"
+        self._scan = _JsonScanner(at)
+        self._sent = at
+
+    def read(self, buf: str) -> list[Event]:
+        out: list[Event] = []
+        if self._state == "head":
+            head = _read_head(buf, self.start, self.arg_keys)
+            if head is None:
+                return out
+            if head is False or head[2] == '"':  # another shape, or arguments as a string: read whole
+                self._state, self._scan = "whole", _JsonScanner(self.start)
+            else:
+                self._name = head[0]
+                self._open_args(head[1])
+        if self._state == "whole":
+            end = self._scan.value_end(buf)
+            if end >= 0:
+                self.end = end
+                out += self._whole(buf[self.start:end])
+            return out
+        if self._state in ("args", "args_alone"):
+            if not self.started:
+                self.started = True
+                out.append(ToolCallStart(self.index, self._name))
+            end = self._scan.value_end(buf)
+            upto = end if end >= 0 else self._scan.pos
+            if upto > self._sent:
+                out.append(ToolCallArgs(self.index, buf[self._sent:upto]))
+                self._sent = upto
+            if end < 0:
+                return out
+            if self._state == "args_alone":
+                self.end = end
+                out.append(ToolCallEnd(self.index))
+                return out
+            self._state, self._scan = "tail", _JsonScanner(end, depth=1)
+        if self._state == "tail":  # what follows the arguments, to the object's closing brace
+            end = self._scan.value_end(buf, self.end_marker)
+            if end >= 0:
+                self.end = end
+                out.append(ToolCallEnd(self.index))
+        return out
+
+    def _whole(self, raw: str) -> list[Event]:
+        try:
+            call = _call_from_obj(json.loads(raw), self.arg_keys)
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            self.valid = False
+            return []
+        self.started = True
+        return [ToolCallStart(self.index, call.name), ToolCallArgs(self.index, call.arguments),
+                ToolCallEnd(self.index)]
+
+    def finish(self) -> list[Event]:
+        """The output ended inside the object: a started call ends here
+        (``unfinished`` when its arguments were still open)."""
+        if not self.started or self.end >= 0:
+            return []
+        self.unfinished = self._state != "tail"
+        return [ToolCallEnd(self.index)]
+
+
 def _parse_json_sequence(body: str, arg_keys=("arguments", "parameters")) -> list[ToolCall] | None:
     """Calls from one or more JSON values (objects or arrays of objects)
     separated by whitespace, ``;`` or ``,``; None unless the whole body parses."""
@@ -168,9 +350,10 @@ def _parse_json_sequence(body: str, arg_keys=("arguments", "parameters")) -> lis
     return calls or None
 
 
-def _merge(events: Iterable[Event]) -> list[Event]:
-    """Join adjacent Text events and drop empty ones."""
-    out: list[Event] = []
+def _merge(events: Iterable) -> list:
+    """Join adjacent Text events (and adjacent pieces of one call's
+    arguments); drop empty ones."""
+    out: list = []
     for e in events:
         if isinstance(e, Text):
             if not e.text:
@@ -178,17 +361,42 @@ def _merge(events: Iterable[Event]) -> list[Event]:
             if out and isinstance(out[-1], Text):
                 out[-1] = Text(out[-1].text + e.text)
                 continue
+        elif isinstance(e, ToolCallArgs):
+            if not e.text:
+                continue
+            if out and isinstance(out[-1], ToolCallArgs) and out[-1].index == e.index:
+                out[-1] = ToolCallArgs(e.index, out[-1].text + e.text)
+                continue
         out.append(e)
     return out
+
+
+def assemble(events: Iterable[Event]) -> list:
+    """Streamed events -> Text and whole ToolCalls, in order."""
+    out: list = []
+    calls: dict[int, ToolCall] = {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            calls[e.index] = ToolCall(e.name, "")
+            out.append(calls[e.index])
+        elif isinstance(e, ToolCallArgs):
+            calls[e.index].arguments += e.text
+        elif not isinstance(e, ToolCallEnd):
+            out.append(e)
+    return _merge(out)
 
 
 class ToolCallParser:
     """Base class: a parser that finds no calls (all text)."""
 
     family = "none"
-    # Set by finish() when the output ended inside a call that never became
-    # valid (cut off, say) and its raw text was given back as a Text event.
+    # Set by finish() when the output ended inside a call: one whose
+    # arguments were still open (it is ended), or one not yet recognisable
+    # as a call (its raw text is given back as a Text event).
     unfinished_call = False
+
+    def __init__(self):
+        self._n_calls = 0  # the next call's index
 
     def feed(self, text: str) -> list[Event]:
         return [Text(text)] if text else []
@@ -196,50 +404,107 @@ class ToolCallParser:
     def finish(self) -> list[Event]:
         return []
 
-    def parse(self, text: str) -> list[Event]:
-        """The events of a complete output (non-streaming)."""
-        return _merge(self.feed(text) + self.finish())
+    def parse(self, text: str) -> list:
+        """Text and whole ToolCalls of a complete output (non-streaming)."""
+        return assemble(self.feed(text) + self.finish())
+
+    def _read_call(self, call: _CallObject, buf: str, out: list) -> bool:
+        """Read ``call`` on; True once it is over (counted if it was a call)."""
+        out += call.read(buf)
+        if call.end < 0:
+            return False
+        if call.valid:
+            self._n_calls += 1
+        return True
+
+    def _end_call(self, call: _CallObject, out: list) -> bool:
+        """At the end of output: end a started call; True if it had started."""
+        if not call.started:
+            return False
+        out += call.finish()
+        self._n_calls += 1
+        self.unfinished_call = call.unfinished
+        return True
 
 
 class HermesParser(ToolCallParser):
-    """``<tool_call>`` JSON ``</tool_call>``; the end marker counts only
-    outside JSON strings and values."""
+    """``<tool_call>`` JSON ``</tool_call>``: one or more call objects (or
+    arrays of them) between the markers; the end marker counts only outside
+    JSON strings and values."""
 
     family = "hermes"
     START = "<tool_call>"
     END = "</tool_call>"
 
     def __init__(self):
-        self._buf = ""  # text not given out yet; in a call, what follows START
-        self._call: _JsonScanner | None = None  # reads the body while in a call
+        super().__init__()
+        self._buf = ""  # text not given out yet; in a call region, what follows START
+        self._region = False  # between START and END
+        self._pos = 0  # how far into the region reading has got
+        self._calls_in_region = 0
+        self._junk = False  # the region holds something that is not a call
+        self._call: _CallObject | None = None
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         out: list[Event] = []
         while True:
-            if self._call is None:
+            if not self._region:
                 before, self._buf, opened = _text_until(self._buf, self.START)
                 out.append(Text(before))
                 if not opened:
                     return _merge(out)
-                self._call = _JsonScanner()
-            end = self._call.find_outside(self._buf, self.END)
-            if end < 0:
+                self._region, self._pos, self._calls_in_region, self._junk = True, 0, 0, False
+            if not self._read_region(out):
                 return _merge(out)
-            body, self._buf = self._buf[:end], self._buf[end + len(self.END):]
-            self._call = None
-            out += _parse_json_sequence(body) or [Text(self.START + body + self.END)]
+
+    def _read_region(self, out: list) -> bool:
+        """Read the region on; True when it has ended (the buffer then holds what follows)."""
+        buf = self._buf
+        while True:
+            if self._call is not None:
+                if not self._read_call(self._call, buf, out):
+                    return False
+                self._pos = self._call.end
+                if self._call.valid:
+                    self._calls_in_region += 1
+                else:
+                    self._junk = True
+                self._call = None
+            if self._junk:  # to the end marker: the raw region comes back as text if it made no call
+                k = buf.find(self.END, self._pos)
+                if k < 0:
+                    self._pos = max(self._pos, len(buf) - len(self.END) + 1)
+                    return False
+                if not self._calls_in_region:
+                    out.append(Text(self.START + buf[:k + len(self.END)]))
+                return self._close_region(k + len(self.END))
+            i = self._pos = _skip(buf, self._pos, _SEPARATORS + "[]")
+            if buf.startswith(self.END, i):
+                return self._close_region(i + len(self.END))
+            if i >= len(buf) or self.END.startswith(buf[i:]):
+                return False
+            if buf[i] == "{":
+                self._call = _CallObject(i, self._n_calls, end_marker=self.END)
+            else:
+                self._junk = True
+
+    def _close_region(self, end: int) -> bool:
+        self._buf = self._buf[end:]
+        self._region = False
+        return True
 
     def finish(self) -> list[Event]:
         buf, self._buf = self._buf, ""
-        if self._call is None:
+        if not self._region:
             return _merge([Text(buf)])
-        # A complete body stands as a call even without its end marker (or
-        # with the end marker cut short, which the scanner stopped before).
-        calls = _parse_json_sequence(buf[:self._call.pos])
-        self._call = None
-        if calls:
-            return list(calls)
+        self._region = False
+        call, self._call = self._call, None
+        out: list[Event] = []
+        if call is not None and self._end_call(call, out):
+            return out
+        if self._calls_in_region:
+            return []  # what is left is markup (a cut end marker, say)
         self.unfinished_call = True
         return [Text(self.START + buf)]
 
@@ -260,13 +525,13 @@ class Llama3JsonParser(ToolCallParser):
 
     family = "llama3"
     TAG = _LLAMA_TAG
+    ARG_KEYS = ("parameters", "arguments")
 
     def __init__(self):
+        super().__init__()
         self._buf = ""  # text not given out yet; in a call, from its start
         self._mode = "start"  # start (undecided) -> call -> start ... | text
-        self._call: _JsonScanner | None = None  # reads the call's JSON
-        self._value_start = 0  # where the call's JSON opens in the buffer
-        self._made_calls = False
+        self._call: _CallObject | None = None
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -279,36 +544,35 @@ class Llama3JsonParser(ToolCallParser):
                 self._buf = ""
             if self._mode != "call":
                 return _merge(out)
-            end = self._call.value_end(self._buf)
-            if end < 0:
+            if not self._read_call(self._call, self._buf, out):
                 return _merge(out)
-            raw, self._buf = self._buf[:end], self._buf[end:]
-            calls = _parse_json_sequence(raw[self._value_start:])
-            if calls:
-                out += calls
-                self._made_calls = True
+            if self._call.valid:
+                self._buf = self._buf[self._call.end:]
                 self._mode = "start"
-            else:
-                out.append(Text(raw))
+            else:  # not a call: the output is text from its start
                 self._mode = "text"
+            self._call = None
 
     def _decide(self) -> None:
         """Leave the start mode once the buffer shows a call or can no longer be one."""
-        if self._made_calls:  # separators between calls are not content
+        if self._n_calls:  # separators between calls are not content
             self._buf = self._buf.lstrip(_SEPARATORS)
         m = _LLAMA_START.match(self._buf)
         if m:
             self._mode = "call"
-            self._value_start = m.start(1)
-            self._call = _JsonScanner(self._value_start)
+            self._call = _CallObject(m.start(1), self._n_calls, self.ARG_KEYS)
         elif not _could_start_llama_call(self._buf):
             self._mode = "text"
 
     def finish(self) -> list[Event]:
         buf, self._buf = self._buf, ""
-        if self._mode == "call":
+        mode, self._mode = self._mode, "text"
+        call, self._call = self._call, None
+        out: list[Event] = []
+        if mode == "call":
+            if self._end_call(call, out):
+                return out
             self.unfinished_call = True
-        self._mode = "text"
         return [Text(buf)] if buf else []
 
 
@@ -317,62 +581,95 @@ _MISTRAL_HEAD = re.compile(r"\s*(?:([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)|(
 
 
 class MistralParser(ToolCallParser):
-    """``[TOOL_CALLS]`` then ``[{...}, ...]`` or ``name[ARGS]{...}``; the call
-    ends where its JSON value closes."""
+    """``[TOOL_CALLS]`` then ``[{...}, ...]``, ``{...}`` or ``name[ARGS]{...}``;
+    the region ends where its JSON value closes."""
 
     family = "mistral"
     START = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
 
     def __init__(self):
-        self._buf = ""  # text not given out yet; in a call, what follows START
-        self._in_call = False
-        self._name: str | None = None  # the name before [ARGS], if any
-        self._value_start = 0  # where the call's JSON opens in the buffer
-        self._call: _JsonScanner | None = None  # reads the JSON once it opens
+        super().__init__()
+        self._buf = ""  # text not given out yet; in a region, what follows START
+        self._region = False
+        self._form: str | None = None  # "array" | "one" once the head is read
+        self._pos = 0
+        self._calls_in_region = 0
+        self._call: _CallObject | None = None
+        self._junk: _JsonScanner | None = None  # reads a non-call value in an array to its end
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         out: list[Event] = []
         while True:
-            if not self._in_call:
-                before, self._buf, self._in_call = _text_until(self._buf, self.START)
+            if not self._region:
+                before, self._buf, self._region = _text_until(self._buf, self.START)
                 out.append(Text(before))
-                if not self._in_call:
+                if not self._region:
                     return _merge(out)
-                self._call = None
-            end = self._value_end()
-            if end < 0:
+                self._form, self._calls_in_region, self._junk = None, 0, None
+            if not self._read_region(out):
                 return _merge(out)
-            raw, self._buf = self._buf[:end], self._buf[end:]
-            self._in_call = False
-            out += self._calls(raw[self._value_start:]) or [Text(self.START + raw)]
 
-    def _value_end(self) -> int:
-        """Where the call's JSON value ends in the buffer, or -1."""
-        if self._call is None:
-            head = _MISTRAL_HEAD.match(self._buf)
+    def _read_region(self, out: list) -> bool:
+        buf = self._buf
+        if self._form is None:
+            head = _MISTRAL_HEAD.match(buf)
             if head is None:
-                return -1
-            self._name, self._value_start = head.group(1), head.end()
-            self._call = _JsonScanner(self._value_start)
-        return self._call.value_end(self._buf)
+                return False
+            name, at = head.group(1), head.end()
+            if name is not None or buf[at] == "{":
+                self._form = "one"
+                self._call = _CallObject(at, self._n_calls, name=name)
+            else:
+                self._form, self._pos = "array", at + 1
+        while True:
+            if self._call is not None:
+                if not self._read_call(self._call, buf, out):
+                    return False
+                call, self._call = self._call, None
+                if self._form == "one":
+                    if not call.valid:
+                        out.append(Text(self.START + buf[:call.end]))
+                    return self._close_region(call.end)
+                self._pos = call.end
+                if call.valid:
+                    self._calls_in_region += 1
+                else:
+                    self._junk = _JsonScanner(call.end, depth=1)
+            if self._junk is not None:  # to the array's end; the raw region is text if it made no call
+                end = self._junk.value_end(buf)
+                if end < 0:
+                    return False
+                if not self._calls_in_region:
+                    out.append(Text(self.START + buf[:end]))
+                return self._close_region(end)
+            i = self._pos = _skip(buf, self._pos, _WS + ",")
+            if i >= len(buf):
+                return False
+            if buf[i] == "]":
+                return self._close_region(i + 1)
+            if buf[i] == "{":
+                self._call = _CallObject(i, self._n_calls)
+            else:
+                self._junk = _JsonScanner(i, depth=1)
 
-    def _calls(self, value: str) -> list[ToolCall] | None:
-        if self._name is None:
-            return _parse_json_sequence(value)
-        try:
-            args = json.loads(value)
-        except json.JSONDecodeError:
-            return None
-        call = _call_from_obj({"name": self._name, "arguments": args})
-        return [call] if call else None
+    def _close_region(self, end: int) -> bool:
+        self._buf = self._buf[end:]
+        self._region = False
+        return True
 
     def finish(self) -> list[Event]:
         buf, self._buf = self._buf, ""
-        if not self._in_call:
+        if not self._region:
             return [Text(buf)] if buf else []
-        self._in_call = False
+        self._region = False
+        call, self._call = self._call, None
+        out: list[Event] = []
+        if call is not None and self._end_call(call, out):
+            return out
+        if self._calls_in_region:
+            return []
         self.unfinished_call = True
         return [Text(self.START + buf)]
 
