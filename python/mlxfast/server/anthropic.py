@@ -129,7 +129,7 @@ def chat_request(body) -> ChatRequest:
         messages=to_messages(body), sampling=body, max_tokens=getattr(body, "max_tokens", None),
         stop=getattr(body, "stop_sequences", None), tools=_tools(body), tool_choice=_TOOL_CHOICES[ctype],
         forced_tool=choice.name if ctype == "tool" else None,
-        parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
+        max_tool_calls=1 if choice is not None and choice.disable_parallel_tool_use else None,
         json_output=fmt is not None, output_schema=fmt.schema_ if fmt is not None else None,
         output_param="output_config.format.schema",
         thinking=None if body.thinking is None else body.thinking.type != "disabled",

@@ -8,7 +8,7 @@ import json
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import admin, anthropic, openai
+from . import admin, anthropic, openai, responses
 from .errors import APIError, install_handlers, is_anthropic_path
 from .state import ServerState
 
@@ -93,6 +93,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_handlers(app)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(responses.router)
     app.include_router(admin.router)
     app.add_middleware(_Guard, state=state)
     origins = state.settings.allowed_origins

@@ -39,7 +39,7 @@ class ChatRequest:
     tools: list[dict] | None = None  # [{"type": "function", "function": {name, description, parameters}}]
     tool_choice: str = "auto"  # one of TOOL_CHOICES
     forced_tool: str | None = None  # the tool named by tool_choice "function"
-    parallel_tool_calls: bool = True  # False: only the first call is given out
+    max_tool_calls: int | None = None  # calls given out at most (1: parallel calls off)
     json_output: bool = False  # the answer is JSON: any object, or ``output_schema``
     output_schema: dict | None = None
     output_param: str = "response_format"  # the field named in its errors
@@ -59,13 +59,13 @@ class Prepared:
     prompt: ChatPrompt
     tool_family: str | None  # the tool-call markup to parse (None: tools off)
     reasoning: bool  # split <think> blocks from the answer
-    parallel_tool_calls: bool
+    max_tool_calls: int | None
 
     def parser(self, tokenizer) -> "OutputParser":
         return OutputParser(tokenizer, reasoning=self.reasoning,
                             in_reasoning=self.reasoning and self.prompt.in_reasoning,
                             tool_family=self.tool_family,
-                            max_calls=None if self.parallel_tool_calls else 1)
+                            max_calls=self.max_tool_calls)
 
 
 def _check_tools(chat: ChatRequest) -> bool:
@@ -133,7 +133,7 @@ def prepare(state, chat: ChatRequest) -> Prepared:
     # Under a grammar the answer has no think block to split off.
     return Prepared(request, prompt, tool_family=prompt.tool_family if use_tools else None,
                     reasoning=prompt.reasoning and grammar is None,
-                    parallel_tool_calls=chat.parallel_tool_calls)
+                    max_tool_calls=chat.max_tool_calls)
 
 
 class OutputParser:

@@ -139,7 +139,7 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         messages=normalize_messages(body.messages), sampling=body,
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         stop=body.stop, tools=tools, tool_choice=choice, forced_tool=forced,
-        parallel_tool_calls=body.parallel_tool_calls is not False,
+        max_tool_calls=1 if body.parallel_tool_calls is False else None,
         json_output=rf is not None and rf.type != "text", output_schema=schema,
         template_kwargs=template_kwargs_for(body.reasoning_effort, body.chat_template_kwargs),
         add_generation_prompt=body.add_generation_prompt is not False,

@@ -23,6 +23,7 @@ REASONING_EFFORTS = {
     "low": {"enable_thinking": True},
     "medium": {"enable_thinking": True},
     "high": {"enable_thinking": True},
+    "xhigh": {"enable_thinking": True},
 }
 
 
@@ -44,7 +45,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def template_kwargs_for(reasoning_effort: str | None, extra: dict | None) -> dict:
+def template_kwargs_for(reasoning_effort: str | None, extra: dict | None,
+                        effort_param: str = "reasoning_effort") -> dict:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra or {}))
     if reserved:
         raise bad_request(
@@ -55,9 +57,9 @@ def template_kwargs_for(reasoning_effort: str | None, extra: dict | None) -> dic
     if reasoning_effort is not None:
         if reasoning_effort not in REASONING_EFFORTS:
             raise bad_request(
-                f"unknown reasoning_effort {reasoning_effort!r}; expected one of "
+                f"unknown {effort_param} {reasoning_effort!r}; expected one of "
                 + ", ".join(REASONING_EFFORTS),
-                param="reasoning_effort",
+                param=effort_param,
             )
         kwargs.update(REASONING_EFFORTS[reasoning_effort])
         kwargs["reasoning_effort"] = reasoning_effort

@@ -239,3 +239,98 @@ class AnthropicCountRequest(_Model):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[AnthropicToolChoice] = None
     thinking: Optional[AnthropicThinking] = None
+
+
+# ---------------------------------------------------------------- OpenAI Responses
+
+
+class ResponsesTextFormat(_Model):
+    type: Literal["text", "json_schema", "json_object"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponsesText(_Model):
+    format: Optional[ResponsesTextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+
+class ResponsesReasoning(_Model):
+    effort: Optional[str] = None  # mapped like reasoning_effort (an unknown value is a 400 there)
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
+# ``include`` values a client may ask for; the ones about hosted tools have
+# nothing to include here, reasoning.encrypted_content comes back as null.
+RESPONSES_INCLUDES = frozenset({
+    "message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "code_interpreter_call.outputs",
+})
+
+
+class ResponsesRequest(_Model):
+    model: Optional[str] = None
+    input: Union[str, list[dict]]
+    instructions: Optional[str] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_tool_calls: Optional[int] = Field(default=None, ge=1, le=_INT32_MAX)
+    text: Optional[ResponsesText] = None
+    reasoning: Optional[ResponsesReasoning] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=1, le=_INT32_MAX)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    # vLLM's extra sampling fields, as on chat completions
+    top_k: Optional[int] = Field(default=None, ge=-1, le=_INT32_MAX)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
+    seed: Optional[int] = Field(default=None, ge=-(1 << 63), le=(1 << 63) - 1)
+    stream: Optional[bool] = False
+    stream_options: Optional[dict] = None
+    store: Optional[bool] = True
+    previous_response_id: Optional[str] = None
+    include: Optional[list[str]] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    service_tier: Optional[str] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    background: Optional[bool] = None
+    conversation: Optional[Union[str, dict]] = None
+    prompt: Optional[dict] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is None:
+            return v
+        if len(v) > 16:
+            raise ValueError("metadata holds at most 16 keys")
+        for k, x in v.items():
+            if len(k) > 64 or len(x) > 512:
+                raise ValueError("metadata keys are at most 64 characters, values at most 512")
+        return v
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v):
+        for x in v or []:
+            if x not in RESPONSES_INCLUDES:
+                raise ValueError(f"unknown include value {x[:80]!r}; supported: "
+                                 + ", ".join(sorted(RESPONSES_INCLUDES)))
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: allowed only when stream is true")
+        return self

@@ -26,6 +26,7 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     keep_billing_header: bool = False  # False: Claude Code's billing line is cut from system prompts
     metrics_require_key: bool = False  # /metrics is open without the key unless set (as vLLM)
+    responses_store_size: int = 1024  # Responses API: recent responses kept for previous_response_id
     retry_after_s: int = 1
     heartbeat_s: float = 10.0  # Anthropic ping / disconnect poll interval
     disconnect_poll_s: float = 1.0
@@ -42,6 +43,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     _grammar: Any = None
+    _responses: Any = None
 
     def set_ready(self, model, tokenizer, engine) -> None:
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
@@ -100,6 +102,15 @@ class ServerState:
             err = getattr(self.engine, "error", None)
             raise APIError(503, f"the engine has stopped: {err or 'unknown error'}", "server_error")
         return self.engine
+
+    @property
+    def responses(self):
+        """The Responses API's store of recent responses."""
+        if self._responses is None:
+            from .response_store import ResponseStore
+
+            self._responses = ResponseStore(self.settings.responses_store_size)
+        return self._responses
 
     @property
     def grammar(self):
