@@ -120,6 +120,24 @@ def strip_billing_header(messages: list[dict]) -> list[dict]:
     return ([{**messages[0], "content": rest}] if rest else []) + messages[1:]
 
 
+def _join_systems(messages: list[dict], hoist: bool) -> list[dict]:
+    """Adjacent system messages as one (their texts a blank line apart);
+    with ``hoist``, every system message joins one at the start."""
+    systems = [m for m in messages if m["role"] == "system"]
+    if hoist:
+        if len(systems) < 2 and (not systems or messages[0] is systems[0]):
+            return messages
+        first = {**systems[0], "content": "\n\n".join(m.get("content") or "" for m in systems)}
+        return [first] + [m for m in messages if m["role"] != "system"]
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "system" and out and out[-1]["role"] == "system":
+            out[-1] = {**out[-1], "content": (out[-1].get("content") or "") + "\n\n" + (m.get("content") or "")}
+        else:
+            out.append(m)
+    return out
+
+
 def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
     parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages]
     if add_generation_prompt:
@@ -153,15 +171,27 @@ def build_chat_prompt(
         msgs = _text_only(msgs, "hermes")
     if continue_final_message:
         add_generation_prompt = False
+    msgs = _join_systems(msgs, hoist=False)
     if template:
-        try:
-            text = tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt,
+        def render(m):
+            return tokenizer.apply_chat_template(
+                m, add_generation_prompt=add_generation_prompt,
                 tools=tools if (tools and use_tools and native_tools) else None,
                 **template_kwargs,
             )
+
+        try:
+            text = render(msgs)
         except ValueError as e:
-            raise bad_request(str(e), param="messages") from None
+            # Many templates take a system message first only (Mistral's,
+            # Gemma's raise otherwise): then every system message joins the first.
+            hoisted = _join_systems(msgs, hoist=True)
+            if hoisted == msgs:
+                raise bad_request(str(e), param="messages") from None
+            try:
+                text = render(hoisted)
+            except ValueError:
+                raise bad_request(str(e), param="messages") from None
     else:
         text = _chatml(msgs, add_generation_prompt)
     if continue_final_message and msgs and msgs[-1]["role"] == "assistant":

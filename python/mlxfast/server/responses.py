@@ -346,8 +346,9 @@ class _Output:
                 item["arguments"] += p.text
                 out.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
                             "output_index": self.items.index(item), "delta": p.text})
-            elif isinstance(p, ToolCallEnd):
-                out += self.close()
+            elif isinstance(p, ToolCallEnd):  # a call the output's end cut off is incomplete
+                cut = step.finish is not None and step.finish.finish_reason == "length"
+                out += self.close("incomplete" if cut else "completed")
         return out
 
     def close(self, status: str = "completed") -> list[dict]:
