@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "list as vLLM takes it, e.g. 'http://localhost:3000' or '[\"*\"]'; default none")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require --api-key on /metrics too (open by default, as vLLM's)")
+    p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="Responses API: how many recent responses are kept in memory for previous_response_id "
+                        "and GET /v1/responses/{id} (0: none)")
     p.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="abort a request whose client has read none of its output for this long")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -160,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=int(args.max_body_mb * (1 << 20)), metrics_require_key=args.metrics_require_key,
         allowed_origins=args.allowed_origins, strict_model_name=args.strict_model_name,
         model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
-        keep_billing_header=args.keep_billing_header,
+        keep_billing_header=args.keep_billing_header, responses_store_size=args.responses_store_size,
     )
     if args.max_tokens < 1:
         return _fail("--max-tokens must be at least 1")
+    if args.responses_store_size < 0:
+        return _fail("--responses-store-size must be 0 or more")
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:

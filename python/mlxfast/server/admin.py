@@ -9,10 +9,10 @@ import math
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from . import chat
 from .common import off_loop, parse_body, state_of
 from .errors import bad_request
 from .metrics import merged_values, render_prometheus
-from .prompts import build_chat_prompt
 from .schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
@@ -99,10 +99,10 @@ async def tokenize(request: Request):
         else:
             from .openai import normalize_messages
 
-            ids = build_chat_prompt(
-                tok, normalize_messages(body.messages), tools=None, use_tools=False, template_kwargs={},
-                add_generation_prompt=body.add_generation_prompt is not False,
-                keep_billing_header=state.settings.keep_billing_header).ids
+            prompt, _ = chat.render(state, chat.ChatRequest(
+                messages=normalize_messages(body.messages), sampling=None,
+                add_generation_prompt=body.add_generation_prompt is not False))
+            ids = prompt.ids
         return ids, [tok.id_to_token(i) for i in ids]
 
     ids, strs = await off_loop(encode)
