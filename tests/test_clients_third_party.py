@@ -190,6 +190,84 @@ def test_langchain_openai_stream_forced_tool_call(chat_openai):
     assert solo.tool_calls[0]["args"] == call["args"]
 
 
+# ------------------------------------------------------------ LangChain ChatOpenAI over the Responses API
+
+
+@pytest.fixture(scope="module")
+def chat_responses(server, served):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model=served, base_url=server.url + "/v1", api_key=server.api_key,
+                      temperature=0, max_tokens=MAX_TOKENS, max_retries=0, timeout=120,
+                      use_responses_api=True)
+
+
+def test_langchain_responses_invoke(chat_responses, served):
+    from langchain_core.messages import AIMessage
+
+    m = chat_responses.invoke("What is the capital of France?")
+    assert isinstance(m, AIMessage) and m.text.strip()
+    assert m.response_metadata["model_name"] == served
+    assert m.response_metadata["id"].startswith("resp_")
+    assert m.usage_metadata["input_tokens"] > 0
+
+
+def test_langchain_responses_forced_tool_call_and_result(chat_responses):
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    tool = weather_tool()
+    first = chat_responses.bind_tools([tool], tool_choice="get_weather").invoke(ASK_WEATHER)
+    assert len(first.tool_calls) == 1, (first.content, first.invalid_tool_calls)
+    (call,) = first.tool_calls
+    assert call["name"] == "get_weather"
+    WeatherArgs.model_validate(call["args"])
+    history = [HumanMessage(ASK_WEATHER), first, ToolMessage(tool.invoke(call["args"]), tool_call_id=call["id"])]
+    m = chat_responses.bind_tools([tool], tool_choice="none").invoke(history)
+    assert m.tool_calls == [] and m.text.strip()
+
+
+def test_langchain_responses_stream_forced_tool_call(chat_responses):
+    bound = chat_responses.bind_tools([weather_tool()], tool_choice="get_weather")
+    chunks = list(bound.stream(ASK_WEATHER))
+    msg = chunks[0]
+    for c in chunks[1:]:
+        msg = msg + c
+    assert len(msg.tool_calls) == 1, (msg.content, msg.tool_call_chunks, msg.invalid_tool_calls)
+    WeatherArgs.model_validate(msg.tool_calls[0]["args"])
+    assert msg.tool_calls[0]["args"] == bound.invoke(ASK_WEATHER).tool_calls[0]["args"]
+
+
+def test_langchain_responses_structured_output(chat_responses):
+    out = chat_responses.with_structured_output(CityFacts, method="json_schema", include_raw=True).invoke(
+        "Tell me about Paris.")
+    assert out["parsing_error"] is None, (out["parsing_error"], out["raw"])
+    assert isinstance(out["parsed"], CityFacts)
+
+
+def test_langchain_responses_previous_response_id(server, served):
+    """With use_previous_response_id LangChain sends only the new turn and
+    the id of the last response: the server continues from its store."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=served, base_url=server.url + "/v1", api_key=server.api_key, temperature=0,
+                     max_tokens=16, max_retries=0, timeout=120, use_responses_api=True,
+                     use_previous_response_id=True)
+    first = llm.invoke([HumanMessage("My name is Ada.")])
+    second = llm.invoke([HumanMessage("My name is Ada."), first, HumanMessage("What is my name?")])
+    assert second.response_metadata["id"] != first.response_metadata["id"]
+    assert second.usage_metadata["input_tokens"] > first.usage_metadata["input_tokens"]
+    # The history comes from the store: with the first turn deleted, the chain is broken.
+    import httpx
+    import openai
+
+    r = httpx.delete(f"{server.url}/v1/responses/{first.response_metadata['id']}", headers=server.headers)
+    assert r.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        llm.invoke([HumanMessage("My name is Ada."), first, HumanMessage("What is my name?"), second,
+                    HumanMessage("Again?")])
+
+
 # ------------------------------------------------------------ LangChain ChatAnthropic
 
 
