@@ -222,7 +222,8 @@ def test_calls_parse_in_every_split(case):
 def cut_points(raw, opened_at, args_at, args_end):
     """Each cut of ``raw`` and how it must come back: before ``opened_at`` no
     call has begun (text); up to the opening of the arguments at ``args_at``
-    the call is not recognisable yet (text, flagged); inside the arguments
+    the call is not recognisable yet (dropped, flagged: markup is never
+    content); inside the arguments
     the call has started and is ended there (a call with the arguments cut
     short, flagged); from ``args_end`` on it is the whole call."""
     for k in range(len(raw) + 1):
@@ -254,6 +255,8 @@ def test_output_ending_inside_a_call(case):
                 assert ev == _merge_text(before, PY), k
             elif kind == "cut":
                 assert ev == _merge_text(before, tc.ToolCall("python", raw[args_at:k])), k
+            elif kind == "unrecognised":
+                assert ev == ([tc.Text(before)] if before else []), k
             else:
                 assert ev == ([tc.Text(raw[:k])] if k else []), k
             assert p.unfinished_call == (kind in ("unrecognised", "cut")), (k, kind)

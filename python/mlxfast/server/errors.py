@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -80,8 +81,13 @@ def error_response(request_path: str, err: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
+# Parts of a pydantic error location that name a member of a union (``str``,
+# ``list[dict[any,any]]``, ``NamedToolChoice``), not a field.
+_UNION_MEMBER = re.compile(r"^(?:str|int|float|bool|dict|list|none|bytes)$|\[|^[A-Z]")
+
+
 def _loc(loc) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.search(p))]
     out = ""
     for p in parts:
         if p.isdigit():

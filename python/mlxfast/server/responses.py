@@ -31,10 +31,11 @@ from .sse import named_event, sse_response
 
 router = APIRouter()
 
-# Tools OpenAI runs on its side; mlxfast runs none of them.
+# Tools OpenAI runs on its side, or whose calls only its models make;
+# mlxfast runs none of them.
 _HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
                  "file_search", "computer", "computer_use_preview", "mcp", "code_interpreter",
-                 "image_generation", "local_shell", "shell", "apply_patch", "custom")
+                 "image_generation", "local_shell", "shell", "apply_patch")
 # Input items that only hosted tools make.
 _HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "computer_call_output",
                  "code_interpreter_call", "image_generation_call", "local_shell_call", "local_shell_call_output",
@@ -177,6 +178,9 @@ def _tools(body: ResponsesRequest) -> list[dict] | None:
             if typ in _HOSTED_TOOLS:
                 raise bad_request(f"{where} is the hosted tool '{typ}', which mlxfast does not run; "
                                   "define it as a function tool instead", f"tools[{i}].type")
+            if typ == "custom":
+                raise bad_request(f"{where} is a custom (free-form input) tool, which mlxfast does not support; "
+                                  "define it as a function tool with a JSON schema instead", f"tools[{i}].type")
             raise bad_request(f"{where} has unknown tool type {typ!r} (mlxfast runs function tools)",
                               f"tools[{i}].type")
         name = t.get("name")
@@ -260,14 +264,29 @@ def _wants_logprobs(body: ResponsesRequest) -> bool:
     return body.top_logprobs is not None or "message.output_text.logprobs" in (body.include or [])
 
 
+_ITEM_ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
 def _input_items(body: ResponsesRequest) -> list[dict]:
-    """The input as items with ids (what /input_items lists)."""
-    items = ([{"type": "message", "role": "user", "content": [{"type": "input_text", "text": body.input}]}]
-             if isinstance(body.input, str) else copy.deepcopy(body.input))
-    for item in items:
-        if "id" not in item:
-            kind = item.get("type", "message")
-            item["id"] = new_id({"message": "msg_", "function_call": "fc_", "reasoning": "rs_"}.get(kind, "item_"))
+    """The input as the items /input_items lists: each with its type, an id,
+    a status where the item kind has one, and message content as parts."""
+    raw = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    items = []
+    for given in raw:
+        item = copy.deepcopy(given)
+        kind = item.setdefault("type", "message")
+        item.setdefault("id", new_id(_ITEM_ID_PREFIXES.get(kind, "item_")))
+        if kind == "message":
+            part_type = "output_text" if item.get("role") == "assistant" else "input_text"
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": part_type, "text": item["content"]}]
+            for part in item["content"]:
+                if part.get("type") == "output_text":
+                    part.setdefault("annotations", [])
+            item.setdefault("status", "completed")
+        elif kind in ("function_call", "function_call_output"):
+            item.setdefault("status", "completed")
+        items.append(item)
     return items
 
 

@@ -22,6 +22,9 @@ Inside a call, JSON is scanned (strings, escapes, nesting), so markup written
 inside an argument string does not end the call. Arguments are the model's own
 text: a call that started is a call, even if the output ends inside its
 arguments (then ``finish()`` ends it and sets ``parser.unfinished_call``).
+Output that ends inside call markup before the call could be recognised
+(``<tool_call>{"na``, cut off by max_tokens) gives neither a call nor text:
+markup never reaches the content (``unfinished_call`` is set).
 A call in any other shape (``arguments`` before ``name``, arguments as a JSON
 string, OpenAI's ``{"function": ...}``) is read whole and comes out at its
 end; one that does not parse as a call is given back as its raw text.
@@ -392,7 +395,7 @@ class ToolCallParser:
     family = "none"
     # Set by finish() when the output ended inside a call: one whose
     # arguments were still open (it is ended), or one not yet recognisable
-    # as a call (its raw text is given back as a Text event).
+    # as a call (dropped: its text is markup).
     unfinished_call = False
 
     def __init__(self):
@@ -503,10 +506,9 @@ class HermesParser(ToolCallParser):
         out: list[Event] = []
         if call is not None and self._end_call(call, out):
             return out
-        if self._calls_in_region:
-            return []  # what is left is markup (a cut end marker, say)
-        self.unfinished_call = True
-        return [Text(self.START + buf)]
+        if not self._calls_in_region:
+            self.unfinished_call = True
+        return []  # what is left is markup (a cut end marker, a call cut before its name)
 
 
 _LLAMA_TAG = "<|python_tag|>"
@@ -570,9 +572,9 @@ class Llama3JsonParser(ToolCallParser):
         call, self._call = self._call, None
         out: list[Event] = []
         if mode == "call":
-            if self._end_call(call, out):
-                return out
-            self.unfinished_call = True
+            if not self._end_call(call, out):
+                self.unfinished_call = True
+            return out
         return [Text(buf)] if buf else []
 
 
@@ -668,10 +670,9 @@ class MistralParser(ToolCallParser):
         out: list[Event] = []
         if call is not None and self._end_call(call, out):
             return out
-        if self._calls_in_region:
-            return []
-        self.unfinished_call = True
-        return [Text(self.START + buf)]
+        if not self._calls_in_region:
+            self.unfinished_call = True
+        return []
 
 
 PARSERS = {"hermes": HermesParser, "llama3": Llama3JsonParser, "mistral": MistralParser}
