@@ -84,11 +84,9 @@ class StreamOptions(_Model):
     continuous_usage_stats: Optional[bool] = False
 
 
-class SamplingFields(_Model):
-    """Fields shared by chat and text completions."""
+class SamplingKnobs(_Model):
+    """Sampling fields shared by every OpenAI-style API (vLLM's extras included)."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1, le=_INT32_MAX)
@@ -98,14 +96,6 @@ class SamplingFields(_Model):
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
     logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = Field(default=None, ge=-(1 << 63), le=(1 << 63) - 1)  # int64, as vLLM
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
-    n: Optional[int] = Field(default=1, ge=1, le=128)
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    ignore_eos: Optional[bool] = False
-    user: Optional[str] = None
-    cache_salt: Optional[str] = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -118,6 +108,21 @@ class SamplingFields(_Model):
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {b}")
         return v
+
+
+class SamplingFields(SamplingKnobs):
+    """Fields shared by chat and text completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    n: Optional[int] = Field(default=1, ge=1, le=128)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: Optional[bool] = False
+    user: Optional[str] = None
+    cache_salt: Optional[str] = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -272,7 +277,7 @@ RESPONSES_INCLUDES = frozenset({
 })
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(SamplingKnobs):
     model: Optional[str] = None
     input: Union[str, list[dict]]
     instructions: Optional[str] = None
@@ -283,16 +288,7 @@ class ResponsesRequest(_Model):
     text: Optional[ResponsesText] = None
     reasoning: Optional[ResponsesReasoning] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1, le=_INT32_MAX)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    # vLLM's extra sampling fields, as on chat completions
-    top_k: Optional[int] = Field(default=None, ge=-1, le=_INT32_MAX)
-    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
-    seed: Optional[int] = Field(default=None, ge=-(1 << 63), le=(1 << 63) - 1)
     stream: Optional[bool] = False
     stream_options: Optional[dict] = None
     store: Optional[bool] = True

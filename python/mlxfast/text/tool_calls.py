@@ -430,7 +430,60 @@ class ToolCallParser:
         return True
 
 
-class HermesParser(ToolCallParser):
+class _RegionParser(ToolCallParser):
+    """A parser whose calls stand in a region opened by ``START``: text
+    streams until it, then the subclass's ``_read_region`` reads the region
+    (True once it has ended, the buffer then holding what follows)."""
+
+    START = ""
+
+    def __init__(self):
+        super().__init__()
+        self._buf = ""  # text not given out yet; in a region, what follows START
+        self._region = False
+        self._calls_in_region = 0
+        self._call: _CallObject | None = None
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while True:
+            if not self._region:
+                before, self._buf, self._region = _text_until(self._buf, self.START)
+                out.append(Text(before))
+                if not self._region:
+                    return _merge(out)
+                self._calls_in_region = 0
+                self._open_region()
+            if not self._read_region(out):
+                return _merge(out)
+
+    def _open_region(self) -> None:
+        raise NotImplementedError
+
+    def _read_region(self, out: list) -> bool:
+        raise NotImplementedError
+
+    def _close_region(self, end: int) -> bool:
+        self._buf = self._buf[end:]
+        self._region = False
+        return True
+
+    def finish(self) -> list[Event]:
+        buf, self._buf = self._buf, ""
+        if not self._region:
+            return [Text(buf)] if buf else []
+        self._region = False
+        call, self._call = self._call, None
+        out: list[Event] = []
+        if call is not None and self._end_call(call, out):
+            return out
+        if not self._calls_in_region:
+            self.unfinished_call = True
+        return []  # what is left is markup (a cut end marker, a call cut before its name)
+
+
+class HermesParser(_RegionParser):
     """``<tool_call>`` JSON ``</tool_call>``: one or more call objects (or
     arrays of them) between the markers; the end marker counts only outside
     JSON strings and values."""
@@ -441,25 +494,11 @@ class HermesParser(ToolCallParser):
 
     def __init__(self):
         super().__init__()
-        self._buf = ""  # text not given out yet; in a call region, what follows START
-        self._region = False  # between START and END
         self._pos = 0  # how far into the region reading has got
-        self._calls_in_region = 0
         self._junk = False  # the region holds something that is not a call
-        self._call: _CallObject | None = None
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while True:
-            if not self._region:
-                before, self._buf, opened = _text_until(self._buf, self.START)
-                out.append(Text(before))
-                if not opened:
-                    return _merge(out)
-                self._region, self._pos, self._calls_in_region, self._junk = True, 0, 0, False
-            if not self._read_region(out):
-                return _merge(out)
+    def _open_region(self) -> None:
+        self._pos, self._junk = 0, False
 
     def _read_region(self, out: list) -> bool:
         """Read the region on; True when it has ended (the buffer then holds what follows)."""
@@ -491,24 +530,6 @@ class HermesParser(ToolCallParser):
                 self._call = _CallObject(i, self._n_calls, end_marker=self.END)
             else:
                 self._junk = True
-
-    def _close_region(self, end: int) -> bool:
-        self._buf = self._buf[end:]
-        self._region = False
-        return True
-
-    def finish(self) -> list[Event]:
-        buf, self._buf = self._buf, ""
-        if not self._region:
-            return _merge([Text(buf)])
-        self._region = False
-        call, self._call = self._call, None
-        out: list[Event] = []
-        if call is not None and self._end_call(call, out):
-            return out
-        if not self._calls_in_region:
-            self.unfinished_call = True
-        return []  # what is left is markup (a cut end marker, a call cut before its name)
 
 
 _LLAMA_TAG = "<|python_tag|>"
@@ -582,7 +603,7 @@ class Llama3JsonParser(ToolCallParser):
 _MISTRAL_HEAD = re.compile(r"\s*(?:([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)|(?=[\[{]))")
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(_RegionParser):
     """``[TOOL_CALLS]`` then ``[{...}, ...]``, ``{...}`` or ``name[ARGS]{...}``;
     the region ends where its JSON value closes."""
 
@@ -592,26 +613,12 @@ class MistralParser(ToolCallParser):
 
     def __init__(self):
         super().__init__()
-        self._buf = ""  # text not given out yet; in a region, what follows START
-        self._region = False
         self._form: str | None = None  # "array" | "one" once the head is read
         self._pos = 0
-        self._calls_in_region = 0
-        self._call: _CallObject | None = None
         self._junk: _JsonScanner | None = None  # reads a non-call value in an array to its end
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while True:
-            if not self._region:
-                before, self._buf, self._region = _text_until(self._buf, self.START)
-                out.append(Text(before))
-                if not self._region:
-                    return _merge(out)
-                self._form, self._calls_in_region, self._junk = None, 0, None
-            if not self._read_region(out):
-                return _merge(out)
+    def _open_region(self) -> None:
+        self._form, self._junk = None, None
 
     def _read_region(self, out: list) -> bool:
         buf = self._buf
@@ -655,24 +662,6 @@ class MistralParser(ToolCallParser):
                 self._call = _CallObject(i, self._n_calls)
             else:
                 self._junk = _JsonScanner(i, depth=1)
-
-    def _close_region(self, end: int) -> bool:
-        self._buf = self._buf[end:]
-        self._region = False
-        return True
-
-    def finish(self) -> list[Event]:
-        buf, self._buf = self._buf, ""
-        if not self._region:
-            return [Text(buf)] if buf else []
-        self._region = False
-        call, self._call = self._call, None
-        out: list[Event] = []
-        if call is not None and self._end_call(call, out):
-            return out
-        if not self._calls_in_region:
-            self.unfinished_call = True
-        return []
 
 
 PARSERS = {"hermes": HermesParser, "llama3": Llama3JsonParser, "mistral": MistralParser}
