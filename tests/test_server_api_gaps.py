@@ -131,6 +131,37 @@ def test_anthropic_output_config_schema_is_enforced_when_streaming(server):
     assert isinstance(json.loads(text)["answer"], int)
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}
+LOOKUP = {"name": "lookup", "description": "Look a city up.", "parameters": CITY}
+
+
+def _call_or_answer(calls, text):
+    """Tools left to the model plus a JSON format: the answer is one call
+    with valid arguments, or JSON that follows the format (the union grammar)."""
+    if calls:
+        name, args = calls[0]
+        assert name == "lookup" and set(json.loads(args)) == {"city"}
+    else:
+        assert set(json.loads(text)) == {"city"}
+
+
+@pytest.mark.parametrize("question", ["Which city is the capital of France?", "Look up Paris with the tool."])
+def test_tools_and_a_json_format_allow_a_call_or_the_answer(openai_client, anthropic_client, question):
+    r = openai_client.chat.completions.create(
+        model="default", max_tokens=40, temperature=0, messages=[{"role": "user", "content": question}],
+        tools=[{"type": "function", "function": LOOKUP}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+    m = r.choices[0].message
+    _call_or_answer([(c.function.name, c.function.arguments) for c in m.tool_calls or []], m.content)
+    a = anthropic_client.messages.create(
+        model="default", max_tokens=40, messages=[{"role": "user", "content": question}],
+        tools=[{"name": "lookup", "description": LOOKUP["description"], "input_schema": CITY}],
+        extra_body={"temperature": 0, "output_config": {"format": {"type": "json_schema", "schema": CITY}}})
+    _call_or_answer([(b.name, json.dumps(b.input)) for b in a.content if b.type == "tool_use"],
+                    "".join(b.text for b in a.content if b.type == "text"))
+
+
 @pytest.mark.parametrize("extra", [
     {"output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#"}}}},  # cannot be enforced
     {"output_config": {"format": {"type": "json_schema"}}},  # no schema
