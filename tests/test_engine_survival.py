@@ -74,10 +74,10 @@ def test_a_row_that_breaks_the_batched_sampler_ends_only_its_request(eng, monkey
     caplog.set_level(logging.ERROR, "mlxfast.engine")
     real = sampler_mod.sample
 
-    def faulty(logits, states):
+    def faulty(logits, states, ahead=None):
         if any(s.params.seed == 666 for s in states):
             raise RuntimeError("injected sampler fault")
-        return real(logits, states)
+        return real(logits, states, ahead)
 
     monkeypatch.setattr(engine_mod, "sample", faulty)
     bad = Request([5, 6, 7], greedy(4, seed=666, ignore_eos=True))

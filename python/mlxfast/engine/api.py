@@ -89,6 +89,8 @@ class FinishEvent:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     error: str | None = None  # message when finish_reason == "error"
     prompt_logprobs: list[PromptLogprob | None] | None = None  # when it is the first event
+    # With speculative decoding on: {"drafted": n, "accepted": m} draft tokens of this request
+    speculation: dict | None = None
 
 
 class EngineDead(RuntimeError):

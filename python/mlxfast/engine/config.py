@@ -27,6 +27,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: model max_position_embeddings, capped by the pool
     enable_prefix_cache: bool = True
     model_fingerprint: str = ""  # prefix-cache namespace; "" = derived from the model config
+    # Speculative decoding (engine/spec.py): None = off | "ngram" (prompt lookup)
+    spec_kind: str | None = None
+    num_draft_tokens: int = 8  # drafts per row and step, at most (each row adapts below it)
+    ngram_min: int = 1  # prompt lookup: the shortest trailing n-gram looked up
+    ngram_max: int = 4  # ... and the longest (tried first)
     # Attention path: None = native kernel where available, else MLX reference
     native_attention: bool | None = None
     # SSD tier of the prefix cache (kv/ssd.py); None = off

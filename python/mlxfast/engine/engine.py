@@ -36,6 +36,7 @@ from .output import OutputProcessor
 from .runner import Runner
 from .sampler import Sampled, SamplingState, sample, score_tokens
 from .scheduler import Scheduler, Seq
+from .spec import DraftLength, NgramProposer, speculation_allowed
 
 log = logging.getLogger("mlxfast.engine")
 
@@ -135,7 +136,8 @@ class RequestStream:
 
 
 class _ReqState:
-    __slots__ = ("request", "stream", "sampling", "out", "t_submit", "t_last", "events", "prompt_lps")
+    __slots__ = ("request", "stream", "sampling", "out", "t_submit", "t_last", "events", "prompt_lps",
+                 "proposer", "draft_length", "drafted", "accepted")
 
     def __init__(self, request, stream):
         self.request = request
@@ -146,6 +148,10 @@ class _ReqState:
         self.t_last = None
         self.events = []
         self.prompt_lps = []  # PromptLogprob of prompt tokens 1.. scored so far
+        self.proposer = None  # speculative decoding, where the request allows it
+        self.draft_length = None
+        self.drafted = 0
+        self.accepted = 0
 
 
 class Engine:
@@ -171,9 +177,16 @@ class Engine:
             repr(args).encode(), digest_size=8).hexdigest()
         self._namespace = f"{fingerprint}|{self.kv_spec.scheme_id}|bs{bs}"
         self.allocator = BlockAllocator(self.num_blocks, bs, cfg.enable_prefix_cache)
+        if cfg.spec_kind not in (None, "ngram"):
+            raise ValueError(f"unknown speculative decoding kind {cfg.spec_kind!r} (known: ngram)")
+        if cfg.spec_kind and not 1 <= cfg.num_draft_tokens <= 32:
+            raise ValueError(f"num_draft_tokens must be within [1, 32], got {cfg.num_draft_tokens}")
+        if cfg.spec_kind:
+            NgramProposer(cfg.ngram_min, cfg.ngram_max)  # checks the n range now
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   propose=self._propose if cfg.spec_kind else None)
         eos = getattr(tokenizer, "eos_token_ids", None) or set()
         self._eos = frozenset(int(t) for t in eos)
         self.pool: KVPool | None = None
@@ -194,6 +207,9 @@ class Engine:
         self.generation_tokens_total = 0
         self.num_requests_total = 0
         self.num_steps = 0
+        self.spec_drafts = 0  # rows that carried drafts
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -289,6 +305,9 @@ class Engine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
+            "spec_decode": {"kind": self.config.spec_kind, "num_drafts": self.spec_drafts,
+                            "num_draft_tokens": self.spec_draft_tokens,
+                            "num_accepted_tokens": self.spec_accepted_tokens},
             "time_to_first_token_seconds": self.ttft.snapshot(),
             "inter_token_latency_seconds": self.itl.snapshot(),
             "e2e_request_latency_seconds": self.e2e.snapshot(),
@@ -399,6 +418,9 @@ class Engine:
                   score_prompt=p.prompt_logprobs is not None, data=st)
         st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
         st.out = OutputProcessor(self.tokenizer, p.stop)
+        if self.config.spec_kind and speculation_allowed(p):
+            st.proposer = NgramProposer(self.config.ngram_min, self.config.ngram_max)
+            st.draft_length = DraftLength(self.config.num_draft_tokens)
         self.prompt_tokens_total += seq.prompt_len
         if seq.max_tokens <= 0 and not seq.score_prompt:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
@@ -428,7 +450,9 @@ class Engine:
         return FinishEvent(reason, text=text, stop_string=stop_string,
                            stop_token_id=seq.stop_token_id if reason == "stop" else None,
                            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output,
-                           cached_tokens=seq.cached_tokens or 0, error=error)
+                           cached_tokens=seq.cached_tokens or 0, error=error,
+                           speculation={"drafted": st.drafted, "accepted": st.accepted}
+                           if self.config.spec_kind else None)
 
     def _step(self) -> None:
         sched = self.scheduler
@@ -442,29 +466,37 @@ class Engine:
         for row, scores in logits.scores:
             self._score_prompt(row, scores)
         rows = plan.sample_rows
-        results = self._sample(logits.sample, rows) if rows else []
+        results = self._verify(logits.sample, rows) if rows else []
         by_seq = {r.seq: res for r, res in zip(rows, results)}
-        updates = sched.update(plan, [res.token for res in results])
+        updates = sched.update(plan, [[res.token for res in row_results] for row_results in results])
         self.num_steps += 1
         now = time.monotonic()
+        per_seq: dict = {}
         for u in updates:
-            seq, st = u.seq, u.seq.data
-            if u.token is None:  # max_tokens == 0: the prompt is scored, nothing is generated
-                st.events.append(self._finish_event(seq, u.finish_reason))
+            per_seq.setdefault(u.seq, []).append(u)
+        for seq, seq_updates in per_seq.items():
+            st = seq.data
+            if seq_updates[0].token is None:  # max_tokens == 0: the prompt is scored, nothing is generated
+                st.events.append(self._finish_event(seq, seq_updates[0].finish_reason))
                 continue
-            res = by_seq[seq]
-            self.generation_tokens_total += 1
-            if st.t_last is None:
-                self.ttft.observe(now - st.t_submit)
-            else:
-                self.itl.observe(now - st.t_last)
+            # the step's tokens share its time (accepted drafts come with the next token)
+            gap = None if st.t_last is None else (now - st.t_last) / len(seq_updates)
+            for u in seq_updates:
+                self.generation_tokens_total += 1
+                if gap is None:
+                    self.ttft.observe(now - st.t_submit)
+                    gap = 0.0
+                else:
+                    self.itl.observe(gap)
+                try:
+                    self._emit(seq, st, u, by_seq[seq][u.k], after=len(seq_updates) - 1 - u.k)
+                except Exception as e:  # noqa: BLE001  (this request's output processing)
+                    log.exception("request %s failed in output processing", seq.request_id)
+                    sched.finish(seq, "error")
+                    st.events.append(self._finish_event(seq, "error", error=f"{type(e).__name__}: {e}"))
+                if st.events and isinstance(st.events[-1], FinishEvent):
+                    break  # it ended here: what the step accepted after that is dropped
             st.t_last = now
-            try:
-                self._emit(seq, st, u, res)
-            except Exception as e:  # noqa: BLE001  (this request's output processing)
-                log.exception("request %s failed in output processing", seq.request_id)
-                sched.finish(seq, "error")
-                st.events.append(self._finish_event(seq, "error", error=f"{type(e).__name__}: {e}"))
         for r in plan.rows:
             seq = r.seq
             if seq.score_prompt and r.start + r.n == seq.prompt_len:
@@ -479,29 +511,81 @@ class Engine:
         del st.prompt_lps[row.start:]  # preempted while scoring: it starts over
         st.prompt_lps += score_tokens(logits, targets, st.request.params.prompt_logprobs)
 
-    def _sample(self, logits, rows) -> list[Sampled]:
-        """One token per sampled row. A failure of the batched call is
+    def _propose(self, seq: Seq, k: int) -> list[int]:
+        """The scheduler's drafts for a decoding row: up to ``k`` tokens."""
+        st = seq.data
+        if st.proposer is None:
+            return []
+        k = min(k, st.draft_length.next())
+        return st.proposer.propose(seq.tokens, k) if k > 0 else []
+
+    def _verify(self, logits, rows) -> list[list[Sampled]]:
+        """Per sampled row: its next token, sampled as without speculation,
+        preceded by the drafts that sampling reproduces. The row's logits at
+        its last known token and at each draft are sampled in one call, each
+        position with its own noise (``sample(ahead=)``); draft j is accepted
+        while every draft before it was and the token sampled at its position
+        equals it. For greedy rows that is the argmax; for sampled rows it is
+        speculative sampling with a deterministic proposal (accept with p(d),
+        else draw from the rest of p), so the output is the target's, token
+        for token under a seed."""
+        states, ahead, names = [], [], []
+        for r in rows:
+            for j in range(1 + len(r.draft)):
+                states.append(r.seq.data.sampling)
+                ahead.append(j)
+                names.append(r.seq.request_id)
+        flat = self._sample(logits, states, ahead, names)
+        out, i = [], 0
+        for r in rows:
+            res = flat[i:i + 1 + len(r.draft)]
+            i += len(res)
+            accepted = [res[0]]
+            for j, d in enumerate(r.draft):
+                if res[j].error is not None or res[j].token != d:
+                    break
+                accepted.append(res[j + 1])
+            out.append(accepted)
+            if r.draft:
+                st = r.seq.data
+                st.draft_length.observe(len(r.draft), len(accepted) - 1)
+                st.drafted += len(r.draft)
+                st.accepted += len(accepted) - 1
+                self.spec_drafts += 1
+                self.spec_draft_tokens += len(r.draft)
+                self.spec_accepted_tokens += len(accepted) - 1
+        return out
+
+    def _sample(self, logits, states, ahead, names) -> list[Sampled]:
+        """One token per logits row. A failure of the batched call is
         attributed by sampling each row alone: a row that fails alone gets an
         error result (its request ends), the others their tokens."""
-        states = [r.seq.data.sampling for r in rows]
         try:
-            return sample(logits, states)
+            return sample(logits, states, ahead)
         except Exception:  # noqa: BLE001
-            log.exception("batched sampling failed; sampling %d rows one by one", len(rows))
+            log.exception("batched sampling failed; sampling %d rows one by one", len(states))
         out = []
-        for i, (r, state) in enumerate(zip(rows, states)):
+        for i, (state, a) in enumerate(zip(states, ahead)):
             try:
-                out.append(sample(logits[i:i + 1], [state])[0])
+                out.append(sample(logits[i:i + 1], [state], [a])[0])
             except Exception as e:  # noqa: BLE001
-                log.exception("request %s failed in sampling", r.seq.request_id)
+                log.exception("request %s failed in sampling", names[i])
                 out.append(Sampled(0, error=f"sampling failed: {type(e).__name__}: {e}"))
         return out
 
-    def _emit(self, seq: Seq, st: _ReqState, u, res) -> None:
+    def _emit(self, seq: Seq, st: _ReqState, u, res, after: int = 0) -> None:
+        """Output for one new token; ``after`` more tokens of this step follow
+        it in ``seq.tokens``, which an end here drops."""
         sched = self.scheduler
+
+        def end(reason, **kw):
+            if after:
+                del seq.tokens[-after:]
+            sched.finish(seq, reason)
+            st.events.append(self._finish_event(seq, reason, **kw))
+
         if res.error is not None:
-            sched.finish(seq, "error")
-            st.events.append(self._finish_event(seq, "error", error=res.error))
+            end("error", error=res.error)
             return
         if u.finish_reason == "stop" and seq.stop_token_id is not None:
             st.events.append(self._finish_event(seq, "stop", text=st.out.finish()))
@@ -509,10 +593,8 @@ class Engine:
         text = st.out.add(u.token)
         st.events.append(TokenEvent(u.token, text, res.logprob, res.top_logprobs))
         if st.out.stop_string is not None:
-            sched.finish(seq, "stop")
-            st.events.append(self._finish_event(seq, "stop", stop_string=st.out.stop_string))
+            end("stop", stop_string=st.out.stop_string)
         elif u.finish_reason is not None:
             st.events.append(self._finish_event(seq, u.finish_reason, text=st.out.finish()))
         elif st.sampling.matcher is not None and st.sampling.matcher.is_stopped():
-            sched.finish(seq, "stop")
-            st.events.append(self._finish_event(seq, "stop", text=st.out.finish()))
+            end("stop", text=st.out.finish())

@@ -4,7 +4,7 @@ Tokens of every scheduled row are flattened into ``[T, 1]`` (T batch rows of
 length one), positions go to RoPE per token, and the paged context writes
 each token's K/V into its slot and attends it over its own sequence. Logits
 are computed only for rows that sample (the last token of each sequence
-whose chunk reaches its end) and, for a sequence that scores its prompt
+whose chunk reaches its end, and each draft token after it) and, for a sequence that scores its prompt
 (``Seq.score_prompt``), for each position of its chunk that predicts a
 prompt token: at most one chunk's worth of vocabulary rows per such row.
 """
@@ -23,7 +23,9 @@ from .scheduler import Row, StepPlan
 
 @dataclass
 class StepLogits:
-    sample: mx.array | None  # [len(plan.sample_rows), V] (lazy); None when nothing samples
+    # [sum over plan.sample_rows of 1 + len(row.draft), V] (lazy): per sampled
+    # row, its last known token's then each draft token's; None when nothing samples
+    sample: mx.array | None
     # (row, logits [m, V]): positions row.start .. row.start + m - 1, which
     # predict prompt tokens row.start + 1 .. row.start + m
     scores: list[tuple[Row, mx.array]] = field(default_factory=list)
@@ -45,15 +47,17 @@ class Runner:
         for r in plan.rows:
             base = len(tokens)
             tokens += r.seq.tokens[r.start:r.start + r.n]
-            seqs.append(SeqSlice(r.seq.block_table, r.start, r.n))
+            tokens += r.draft
+            seqs.append(SeqSlice(r.seq.block_table, r.start, r.num_tokens))
             if r.seq.score_prompt:
                 m = min(r.n, r.seq.prompt_len - 1 - r.start)
                 if m > 0:
                     scored.append((r, len(logit_rows), m))
                     logit_rows += range(base, base + m)
             if r.sample:
-                sample_at.append(len(logit_rows))
-                logit_rows.append(len(tokens) - 1)
+                first = len(tokens) - 1 - len(r.draft)
+                sample_at += range(len(logit_rows), len(logit_rows) + 1 + len(r.draft))
+                logit_rows += range(first, len(tokens))
         ctx = PagedContext(self.pool, seqs, native=self.native)
         x = mx.array(np.array(tokens, np.int32)[:, None])  # [T, 1], no Reshape node
         if not logit_rows:

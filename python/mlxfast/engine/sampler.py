@@ -118,9 +118,14 @@ def _grammar_mask(states: list[SamplingState], V: int, errors: list[str | None])
     return allowed
 
 
-def sample(logits: mx.array, states: list[SamplingState]) -> list[Sampled]:
-    """Pick one token per row of ``logits [R, V]``; ``states[r]`` is row r's request."""
+def sample(logits: mx.array, states: list[SamplingState], ahead: list[int] | None = None) -> list[Sampled]:
+    """Pick one token per row of ``logits [R, V]``; ``states[r]`` is row r's
+    request. ``ahead[r]`` > 0 samples the position that many tokens past the
+    request's next one (verifying draft tokens): its noise is that position's,
+    so it draws what decoding would draw there (the processing must not depend
+    on the tokens in between: ``spec.speculation_allowed``)."""
     R, V = logits.shape
+    ahead = ahead or [0] * R
     ps = [s.params for s in states]
     errors: list[str | None] = [None] * R
     want_lp = any(p.logprobs or p.top_logprobs for p in ps)
@@ -138,7 +143,7 @@ def sample(logits: mx.array, states: list[SamplingState]) -> list[Sampled]:
         if (temps <= 0).all():
             tok = mx.argmax(x, axis=-1)
         else:
-            keys = mx.array(np.array([row_key(s.seed, s.step) for s in states], np.uint32))
+            keys = mx.array(np.array([row_key(s.seed, s.step + a) for s, a in zip(states, ahead)], np.uint32))
             tok = ops.sample_tokens(x, keys, temps, [p.top_k for p in ps], [p.top_p for p in ps],
                                     [p.min_p for p in ps])
 

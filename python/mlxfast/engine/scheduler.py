@@ -18,6 +18,15 @@ Token-level stops (EOS / stop ids, max_tokens, the context length) are
 checked here; stop strings need text, so the engine's per-request output
 processor checks them and calls ``finish``.
 
+Speculative decoding rides on the same plan: a decoding row may carry
+``draft`` tokens proposed for it (``propose(seq, k)``, given the budget and
+room left once every row is planned). The runner computes the row's last
+known token plus its drafts and gives logits at each of those positions; the
+engine verifies them, and ``update`` takes the tokens it accepted plus one
+more. The KV of accepted drafts is already in the pool; rejected drafts' slots
+lie past ``num_computed`` and are overwritten by later tokens (causality comes
+from positions), and only accepted tokens ever enter block hashes.
+
 A sequence that scores its prompt (``score_prompt``: prompt logprobs) needs
 logits at every prompt position, so it takes no prefix-cache hits; with
 ``max_tokens == 0`` it samples nothing and finishes ("length") once its
@@ -28,7 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..kv.block_pool import BlockAllocator, chain_hashes
 
@@ -76,8 +85,13 @@ class Seq:
 class Row:
     seq: Seq
     start: int  # first position computed this step
-    n: int  # tokens computed this step
+    n: int  # known tokens computed this step
     sample: bool  # the chunk reaches the last known token (and max_tokens > 0): sample the next one
+    draft: list[int] = field(default_factory=list)  # proposed tokens after it, computed too, to verify
+
+    @property
+    def num_tokens(self) -> int:
+        return self.n + len(self.draft)
 
 
 @dataclass
@@ -87,7 +101,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.n for r in self.rows)
+        return sum(r.num_tokens for r in self.rows)
 
     @property
     def sample_rows(self) -> list[Row]:
@@ -99,13 +113,16 @@ class SeqUpdate:
     seq: Seq
     token: int | None  # None: finished without sampling (max_tokens == 0)
     finish_reason: str | None = None  # "stop" | "length" when this token ended it
+    k: int = 0  # which of the row's tokens this step (0, then accepted drafts in order)
 
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 512, max_model_len: int = 4096):
+                 max_num_batched_tokens: int = 512, max_model_len: int = 4096,
+                 propose: Callable[[Seq, int], list[int]] | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        self.propose = propose  # speculative decoding: up to k draft tokens for a decoding row
         self.alloc = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -212,10 +229,40 @@ class Scheduler:
             self.running.append(seq)
             plan.rows.append(Row(seq, start, n, _samples(seq, start + n)))
             budget -= n
+        if self.propose is not None and budget > 0:
+            self._draft(plan, budget)
         return plan
 
-    def update(self, plan: StepPlan, tokens: list[int]) -> list[SeqUpdate]:
-        """Apply a step: ``tokens`` holds one sampled id per ``plan.sample_rows`` entry."""
+    def _draft(self, plan: StepPlan, budget: int) -> None:
+        """Drafts for decoding rows from what the step leaves: its budget,
+        each row's room (context, max_tokens) and free blocks (drafting never
+        preempts)."""
+        alloc = self.alloc
+        for row in plan.rows:
+            seq = row.seq
+            if not (row.sample and row.n == 1) or budget <= 0:
+                continue
+            # the row's next token comes anyway: drafts are the tokens after it
+            room = min(seq.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 1
+            k = min(budget, room)
+            if k <= 0:
+                continue
+            draft = list(self.propose(seq, k))[:k]
+            if not draft:
+                continue
+            need = alloc.blocks_for(row.start + row.n + len(draft)) - len(seq.block_table)
+            if need > alloc.num_free:
+                continue
+            if need > 0:
+                seq.block_table += alloc.allocate(need)
+            row.draft = draft
+            budget -= len(draft)
+
+    def update(self, plan: StepPlan, tokens: list) -> list[SeqUpdate]:
+        """Apply a step: ``tokens`` holds, per ``plan.sample_rows`` entry, the
+        sampled id, or a list of ids: the row's accepted drafts (a prefix of
+        its draft) then the one token sampled after them. Stops are checked on
+        each in order; what follows a stop is dropped."""
         sample_rows = plan.sample_rows
         if len(tokens) != len(sample_rows):
             raise ValueError(f"{len(tokens)} tokens for {len(sample_rows)} sampled rows")
@@ -224,31 +271,41 @@ class Scheduler:
         bs = self.block_size
         for row in plan.rows:
             seq = row.seq
-            tok = next(it) if row.sample else None
+            toks = next(it) if row.sample else None
+            if isinstance(toks, int):
+                toks = [toks]
             if seq.status != RUNNING:
                 continue  # finished or preempted meanwhile
-            seq.num_computed = row.start + row.n
-            full = seq.num_computed // bs
+            if toks is not None and (len(toks) > len(row.draft) + 1 or toks[:-1] != row.draft[:len(toks) - 1]):
+                raise ValueError(f"{seq.request_id}: the accepted tokens are not a prefix of the draft")
+            # the known tokens and the accepted drafts now have their KV in the pool
+            seq.num_computed = row.start + row.n + (len(toks) - 1 if toks else 0)
+            updates = []
+            for k, tok in enumerate(toks or []):
+                seq.tokens.append(tok)
+                reason = None
+                if tok in seq.stop_ids:
+                    reason = "stop"
+                    seq.stop_token_id = tok
+                elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
+                    reason = "length"
+                updates.append(SeqUpdate(seq, tok, reason, k))
+                if reason:
+                    break
+            full = min(seq.num_computed, len(seq.tokens)) // bs
             if full > seq.num_registered:
                 seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
                 for b in range(seq.num_registered, full):
                     self.alloc.register(seq.block_table[b], seq.hashes[b])
                 seq.num_registered = full
-            if tok is None:
+            if toks is None:
                 if seq.max_tokens <= 0 and seq.num_computed == len(seq.tokens):
                     self.finish(seq, "length")
                     out.append(SeqUpdate(seq, None, "length"))
                 continue
-            seq.tokens.append(tok)
-            reason = None
-            if tok in seq.stop_ids:
-                reason = "stop"
-                seq.stop_token_id = tok
-            elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.max_model_len:
-                reason = "length"
-            if reason:
-                self.finish(seq, reason)
-            out.append(SeqUpdate(seq, tok, reason))
+            if updates[-1].finish_reason:
+                self.finish(seq, updates[-1].finish_reason)
+            out += updates
         return out
 
 

@@ -1,0 +1,327 @@
+"""Speculative decoding in the engine: drafts change no token.
+
+A tiny random model copies nothing, so most checks draft from an oracle: the
+continuation that decoding without speculation gives, corrupted at every
+fifth position, so that every step sees accepted runs and rejections. The
+n-gram proposer and the draft-length rule have their own unit tests, and the
+default model checks the real proposer end to end."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxfast.engine.engine as engine_mod
+from engine_utils import ToyTokenizer, greedy, run_requests, tiny_model
+from mlxfast.engine.api import Request, SamplingParams
+from mlxfast.engine.config import EngineConfig
+from mlxfast.engine.engine import Engine
+from mlxfast.engine.spec import DraftLength, NgramProposer
+
+VOCAB = 97
+N = 40
+PROMPTS = [[(7 * i + 3 * j) % 90 + 5 for j in range(6 + 5 * i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ToyTokenizer(VOCAB)
+
+
+def engine(model, tok, spec=True, **kw):
+    cfg = dict(num_blocks=256, block_size=4, max_num_batched_tokens=64, spec_kind="ngram" if spec else None)
+    cfg.update(kw)
+    return Engine(model, tok, EngineConfig(**cfg)).start()
+
+
+def run(model, tok, requests, spec=True, delays=None, **kw):
+    eng = engine(model, tok, spec, **kw)
+    try:
+        return run_requests(eng, requests, delays), eng.stats()
+    finally:
+        eng.shutdown()
+
+
+class Oracle:
+    """Drafts what decoding without speculation gives next (``REFERENCE``,
+    by prompt), every fifth position wrong."""
+
+    REFERENCE: dict[tuple, list[int]] = {}
+
+    def __init__(self, n_min, n_max):
+        pass
+
+    def propose(self, tokens, k):
+        for prompt, out in self.REFERENCE.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                full = list(prompt) + out
+                draft = full[len(tokens):len(tokens) + k]
+                return [(t + 1) % VOCAB if (len(tokens) + j) % 5 == 0 else t for j, t in enumerate(draft)]
+        return []
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    monkeypatch.setattr(engine_mod, "NgramProposer", Oracle)
+    Oracle.REFERENCE = {}
+    return Oracle
+
+
+@pytest.fixture(scope="module")
+def reference(model, tok):
+    """Greedy continuations without speculation, ignoring EOS."""
+    res, _ = run(model, tok, [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS], spec=False)
+    return [toks for toks, _, _ in res]
+
+
+def test_greedy_with_drafts_is_greedy_without(model, tok, reference, oracle):
+    oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    res, stats = run(model, tok, [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS],
+                     delays=[0, 0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.1])
+    assert [toks for toks, _, _ in res] == reference
+    spec = stats["spec_decode"]
+    assert spec["num_accepted_tokens"] > N  # runs of drafts were accepted ...
+    assert spec["num_draft_tokens"] > spec["num_accepted_tokens"]  # ... and some rejected
+    for _, _, fin in res:
+        assert fin.completion_tokens == N
+        assert fin.speculation["drafted"] >= fin.speculation["accepted"] > 0
+
+
+def test_drafts_save_steps(model, tok, reference, oracle):
+    oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    reqs = [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS]
+    _, plain = run(model, tok, reqs, spec=False)
+    res, spec = run(model, tok, reqs)
+    assert [toks for toks, _, _ in res] == reference
+    assert spec["num_steps"] < plain["num_steps"] * 0.7  # accepted drafts came with the next token
+
+
+def test_max_tokens_ends_inside_an_accepted_run(model, tok, reference, oracle):
+    oracle.REFERENCE = {tuple(PROMPTS[3]): reference[3]}
+    reqs = [Request(PROMPTS[3], greedy(m, ignore_eos=True)) for m in range(1, 21)]
+    res, _ = run(model, tok, reqs)
+    for m, (toks, _, fin) in zip(range(1, 21), res):
+        assert toks == reference[3][:m] and fin.finish_reason == "length" and fin.completion_tokens == m
+
+
+def test_a_stop_token_inside_an_accepted_run(model, tok, reference, oracle):
+    oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    stops = []
+    for r in reference:  # a token that first appears well into the output
+        j = next(j for j in range(8, N) if r[j] not in r[:j])
+        stops.append((r[j], j))
+    reqs = [Request(p, greedy(N, stop_token_ids={t}, ignore_eos=True)) for p, (t, _) in zip(PROMPTS, stops)]
+    plain, _ = run(model, tok, reqs, spec=False)
+    spec, _ = run(model, tok, reqs)
+    for (t, j), r, (ptoks, _, pfin), (stoks, _, sfin) in zip(stops, reference, plain, spec):
+        assert stoks == ptoks == r[:j]
+        assert sfin.finish_reason == pfin.finish_reason == "stop" and sfin.stop_token_id == t
+        assert sfin.completion_tokens == pfin.completion_tokens
+
+
+def test_a_stop_string_inside_an_accepted_run(model, tok, reference, oracle):
+    oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    reqs = []
+    for p, r in zip(PROMPTS, reference):
+        text = tok.decode(r)
+        stop = next(text[i:i + 2] for i in range(10, len(text) - 2) if text[i:i + 2] not in text[:i + 1])
+        reqs.append(Request(p, greedy(N, stop=[stop], ignore_eos=True)))
+    plain, _ = run(model, tok, reqs, spec=False)
+    spec, _ = run(model, tok, reqs)
+    for (ptoks, ptext, pfin), (stoks, stext, sfin) in zip(plain, spec):
+        assert (stext, sfin.stop_string, sfin.finish_reason) == (ptext, pfin.stop_string, "stop")
+        assert sfin.completion_tokens == pfin.completion_tokens  # what came after the stop is dropped
+
+
+def test_preemption_under_speculation(model, tok, reference, oracle):
+    oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    res, stats = run(model, tok, [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS], num_blocks=40)
+    assert stats["num_preemptions_total"] > 0
+    assert [toks for toks, _, _ in res] == reference
+
+
+def sampled(seed, n=N, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True, **kw)
+
+
+def test_seeded_sampling_with_drafts_is_sampling_without(model, tok, oracle):
+    reqs = [Request(p, sampled(100 + i, logprobs=True, top_logprobs=2)) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(model, tok, reqs, spec=False)
+    oracle.REFERENCE = {tuple(p): toks for p, (toks, _, _) in zip(PROMPTS, plain)}
+    spec, stats = run(model, tok, reqs)
+    assert stats["spec_decode"]["num_accepted_tokens"] > N
+    for (ptoks, _, _), (stoks, _, _) in zip(plain, spec):
+        assert stoks == ptoks
+
+
+def test_logprobs_are_each_positions_own(model, tok, reference, oracle):
+    """Logprobs of tokens that came as accepted drafts are those of the
+    position they were sampled at: equal to decoding without speculation."""
+    import asyncio
+
+    oracle.REFERENCE = {tuple(PROMPTS[2]): reference[2]}
+
+    async def events(eng):
+        return [ev async for ev in eng.submit(Request(PROMPTS[2], greedy(N, logprobs=True, top_logprobs=3,
+                                                                         ignore_eos=True)))]
+
+    out = []
+    for spec in (False, True):
+        eng = engine(model, tok, spec)
+        try:
+            out.append([(e.token_id, e.logprob, e.top_logprobs) for e in asyncio.run(events(eng))
+                        if hasattr(e, "token_id")])
+        finally:
+            eng.shutdown()
+    assert [t for t, _, _ in out[0]] == [t for t, _, _ in out[1]]
+    for (_, lp0, top0), (_, lp1, top1) in zip(*out):
+        assert lp1 == pytest.approx(lp0, abs=1e-4)
+        assert [t for t, _ in top1] == [t for t, _ in top0]
+
+
+def test_rejected_drafts_leave_no_kv_a_prefix_hit_reads(model, tok, reference, oracle):
+    """After runs with rejected drafts, a prompt that extends the first
+    request's output reads its cached blocks (written by accepted drafts,
+    next to rejected ones) and continues exactly as a cold engine does."""
+    oracle.REFERENCE = {tuple(PROMPTS[4]): reference[4]}
+    longer = PROMPTS[4] + reference[4][:30]
+    cold, _ = run(model, tok, [Request(longer, greedy(12, ignore_eos=True))], spec=False,
+                  enable_prefix_cache=False)
+    eng = engine(model, tok)
+    try:
+        (first, _, ffin), = run_requests(eng, [Request(PROMPTS[4], greedy(N, ignore_eos=True))])
+        (hit, _, fin), = run_requests(eng, [Request(longer, greedy(12, ignore_eos=True))])
+    finally:
+        eng.shutdown()
+    assert first == reference[4] and ffin.speculation["drafted"] > ffin.speculation["accepted"]
+    assert fin.cached_tokens > len(PROMPTS[4])  # blocks that accepted drafts filled
+    assert hit == cold[0][0]
+
+
+def test_penalties_and_grammars_decode_plainly(model, tok, reference, oracle):
+    oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    reqs = [Request(PROMPTS[0], greedy(N, ignore_eos=True, repetition_penalty=1.3)),
+            Request(PROMPTS[1], greedy(N, ignore_eos=True, presence_penalty=0.5))]
+    plain, _ = run(model, tok, reqs, spec=False)
+    spec, _ = run(model, tok, reqs)
+    for (ptoks, _, _), (stoks, _, sfin) in zip(plain, spec):
+        assert stoks == ptoks and sfin.speculation == {"drafted": 0, "accepted": 0}
+
+
+def next_token_probs(model, ids) -> np.ndarray:
+    from mlxfast.kv import DenseKVCache
+
+    logits = model(mx.array([ids]), DenseKVCache(len(model.layers)))[0, -1].astype(mx.float32)
+    return np.array(mx.softmax(logits))
+
+
+def test_speculative_sampling_follows_the_target_distribution(model, tok, monkeypatch):
+    """A deliberately bad draft (always the same token): the first two
+    sampled tokens still follow the model's joint distribution (chi-square,
+    p > 0.001 over cells with an expected count of 5 or more)."""
+    prompt = PROMPTS[1]
+    p1 = next_token_probs(model, prompt)
+    draft_token = int(np.argmax(p1))  # often right at position 1, so the draft is verified past it
+
+    class Bad:
+        def __init__(self, *a):
+            pass
+
+        def propose(self, tokens, k):
+            return [draft_token] * k
+
+    monkeypatch.setattr(engine_mod, "NgramProposer", Bad)
+    n = 600
+    reqs = [Request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True))
+            for s in range(n)]
+    res, stats = run(model, tok, reqs, max_num_seqs=16, max_num_batched_tokens=128, max_waiting=1024)
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    firsts = [toks[0] for toks, _, _ in res]
+    pairs = {}
+    for toks, _, _ in res:
+        pairs[(toks[0], toks[1])] = pairs.get((toks[0], toks[1]), 0) + 1
+    # the exact joint p(t1) p(t2 | t1) for the first tokens that occurred
+    expected = {}
+    for t1 in set(firsts):
+        p2 = next_token_probs(model, prompt + [t1])
+        for t2 in range(VOCAB):
+            expected[(t1, t2)] = n * p1[t1] * p2[t2]
+    cells = [c for c, e in expected.items() if e >= 5]
+    assert len(cells) >= 5
+    rest_e = n - sum(expected[c] for c in cells)
+    rest_o = n - sum(pairs.get(c, 0) for c in cells)
+    chi2 = sum((pairs.get(c, 0) - expected[c]) ** 2 / expected[c] for c in cells)
+    if rest_e >= 5:
+        chi2 += (rest_o - rest_e) ** 2 / rest_e
+    dof = len(cells) - (0 if rest_e >= 5 else 1)
+    # Wilson-Hilferty: the chi-square quantile for p = 0.001
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < crit, (chi2, crit, dof)
+
+
+# ---------------------------------------------------------------- the proposer
+
+
+def test_ngram_proposer_finds_the_longest_earlier_match():
+    p = NgramProposer(1, 4)
+    tokens = [1, 2, 3, 4, 9, 9, 1, 2, 3]
+    assert p.propose(tokens, 3) == [4, 9, 9]  # "1 2 3" occurred before: what followed it
+    tokens += [5]
+    assert p.propose(tokens, 3) == []  # "5" never occurred before
+    tokens += [1, 2]
+    assert p.propose(tokens, 4) == [3, 5, 1, 2]  # the latest earlier "1 2" wins
+    assert p.propose(tokens, 0) == []
+
+
+def test_ngram_proposer_matches_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(50):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 40))]
+        p = NgramProposer(2, 3)
+        grown = tokens[:2]
+        for t in tokens[2:]:
+            grown.append(t)
+            got = p.propose(list(grown), 5)
+            want = []
+            for n in (3, 2):
+                if len(grown) > n:
+                    ends = [i for i in range(n, len(grown)) if grown[i - n:i] == grown[-n:]]
+                    if ends:
+                        want = grown[ends[-1]:ends[-1] + 5]
+                        break
+            assert got == want, (grown, got, want)
+
+
+def test_draft_length_adapts_and_backs_off():
+    d = DraftLength(8)
+    assert d.next() == 8
+    d.observe(8, 3)
+    assert d.next() == 4  # one past what was accepted
+    d.observe(4, 4)
+    assert d.next() == 8  # all accepted: doubles, up to the cap
+    d.observe(8, 0)
+    assert [d.next() for _ in range(2)] == [0, 1]  # a wholly rejected draft: a step without drafting
+    d.observe(1, 0)
+    assert [d.next() for _ in range(3)] == [0, 0, 1]  # twice in a row: two steps
+    for _ in range(10):
+        d.observe(1, 0)
+        while d.next() == 0:
+            pass
+    assert d._cooldown == 0 and d.MAX_COOLDOWN == 16
+
+
+@pytest.mark.parametrize("cfg", [dict(spec_kind="eagle"), dict(spec_kind="ngram", num_draft_tokens=0),
+                                 dict(spec_kind="ngram", num_draft_tokens=33),
+                                 dict(spec_kind="ngram", ngram_min=3, ngram_max=2)])
+def test_bad_speculation_settings_are_refused(model, tok, cfg):
+    with pytest.raises(ValueError):
+        Engine(model, tok, EngineConfig(num_blocks=16, **cfg))
