@@ -109,8 +109,9 @@ def server():
 def server_b():
     """A second real server with the options the default one leaves off:
     CORS origins, /metrics behind the key, strict model names with aliases,
-    a 16 MB body cap."""
+    a 16 MB body cap, speculative decoding (n-gram prompt lookup)."""
     yield from serve(API_KEY_B, "--max-body-mb", "16", "--max-tokens", "4", "--max-model-len", "256",
+                     "--draft-kind", "ngram",
                      "--metrics-require-key", "--strict-model-name", "--served-model-name", "smol", "smol-alias",
                      "--allowed-origins", f"{ORIGIN_B}, http://other-allowed.example")
 

@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "list as vLLM takes it, e.g. 'http://localhost:3000' or '[\"*\"]'; default none")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require --api-key on /metrics too (open by default, as vLLM's)")
+    p.add_argument("--draft-kind", choices=["ngram"], default=None,
+                   help="speculative decoding: ngram = prompt lookup (drafts from the request's own prompt and "
+                        "output; lossless: the output is what decoding without it gives)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="speculative decoding: draft tokens per row and step at most (default 8; 1..32)")
+    p.add_argument("--ngram-max", type=int, default=None, metavar="N",
+                   help="prompt lookup: the longest trailing n-gram looked up (default 4)")
+    p.add_argument("--ngram-min", type=int, default=None, metavar="N",
+                   help="prompt lookup: the shortest (default 1)")
     p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="Responses API: how many recent responses are kept in memory for previous_response_id "
                         "and GET /v1/responses/{id} (0: none)")
@@ -132,7 +141,9 @@ def _engine_config(args):
               "ssd_cache_dir": args.ssd_cache, "ssd_cache_max_gb": args.ssd_cache_max,
               "ssd_demote_idle_s": args.ssd_demote_idle, "ssd_cache_verify": args.ssd_cache_verify,
               "ssd_flush_timeout_s": args.ssd_flush_timeout,
-              "ssd_restore_timeout_s": args.ssd_restore_timeout}
+              "ssd_restore_timeout_s": args.ssd_restore_timeout, "spec_kind": args.draft_kind,
+              "num_draft_tokens": args.num_draft_tokens, "ngram_min": args.ngram_min,
+              "ngram_max": args.ngram_max}
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
 
@@ -169,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--max-tokens must be at least 1")
     if args.responses_store_size < 0:
         return _fail("--responses-store-size must be 0 or more")
+    if args.draft_kind is None and any(v is not None for v in (args.num_draft_tokens, args.ngram_min,
+                                                               args.ngram_max)):
+        return _fail("--num-draft-tokens, --ngram-min and --ngram-max need --draft-kind")
+    if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= 32:
+        return _fail("--num-draft-tokens must be within 1..32")
+    n_min, n_max = args.ngram_min or 1, args.ngram_max or 4
+    if args.draft_kind and not 1 <= n_min <= n_max:
+        return _fail(f"--ngram-min ({n_min}) must be at least 1 and at most --ngram-max ({n_max})")
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:

@@ -183,6 +183,26 @@ def _ssd_lines(ssd, label: str) -> list[str]:
     return out
 
 
+_SPEC = (  # (stats key, metric, help), vLLM's names
+    ("num_drafts", "spec_decode_num_drafts_total", "Rows that carried draft tokens."),
+    ("num_draft_tokens", "spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified."),
+    ("num_accepted_tokens", "spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
+)
+
+
+def _spec_lines(spec, model_name: str) -> list[str]:
+    if not isinstance(spec, dict) or not spec.get("kind"):
+        return []
+    label = f'{{model_name="{model_name}",proposer="{spec["kind"]}"}}'
+    out = []
+    for key, name, help in _SPEC:
+        v = _num(spec.get(key))
+        if v is not None:
+            full = f"{PREFIX}:{name}"
+            out += [f"# HELP {full} {help}", f"# TYPE {full} counter", f"{full}{label} {v}"]
+    return out
+
+
 def render_prometheus(metrics: Metrics, engine_stats: dict | None, model_name: str) -> str:
     label = f'{{model_name="{model_name}"}}'
     lines: list[str] = []
@@ -196,6 +216,7 @@ def render_prometheus(metrics: Metrics, engine_stats: dict | None, model_name: s
     for reason, n in sorted(snap["request_success_total"].items()):
         lines.append(f'{full}{{model_name="{model_name}",finished_reason="{reason}"}} {n}')
     lines += _ssd_lines((engine_stats or {}).get("ssd"), label)
+    lines += _spec_lines((engine_stats or {}).get("spec_decode"), model_name)
     with metrics._lock:
         lines += metrics.ttft.lines(f"{PREFIX}:time_to_first_token_seconds", "Time to first token.")
         lines += metrics.itl.lines(f"{PREFIX}:inter_token_latency_seconds", "Time between tokens.")

@@ -163,8 +163,20 @@ def _usage(groups: list[list]) -> dict:
     batched prompts): every prompt counted once."""
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(f.completion_tokens for g in groups for f in g)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)}}
+    spec = speculation([f for g in groups for f in g])
+    if spec is not None:
+        usage["speculation"] = spec
+    return usage
+
+
+def speculation(finishes) -> dict | None:
+    """Draft tokens proposed and accepted over ``finishes`` (with speculative decoding on)."""
+    specs = [f.speculation for f in finishes if f.speculation is not None]
+    if not specs:
+        return None
+    return {"drafted": sum(s["drafted"] for s in specs), "accepted": sum(s["accepted"] for s in specs)}
 
 
 def _engine_error(ev) -> APIError:

@@ -439,6 +439,8 @@ class _Turn:
                      "output_tokens": finish.completion_tokens,
                      "output_tokens_details": {"reasoning_tokens": self.output.reasoning_tokens},
                      "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+            if finish.speculation is not None:
+                usage["speculation"] = dict(finish.speculation)
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": error,

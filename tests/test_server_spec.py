@@ -1,0 +1,93 @@
+"""Speculative decoding through the real server: ``server_b`` decodes with
+n-gram prompt lookup, ``server`` without; the same model gives the same
+answers on both, and the drafts are reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+CODE = '''def area(width, height):
+    """The area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    """The perimeter of a rectangle."""
+    return 2 * (width + height)
+'''
+COPY = "Copy this code exactly, changing nothing:\n\n" + CODE
+QUESTIONS = [COPY, "Repeat after me: the cat sat on the mat, the cat sat on the mat.", "List the numbers 1 to 12.",
+             "Write the word banana five times.", COPY + "\nThen add a docstring to the file.",
+             "What is two plus two?", "Name three colors.", "Spell 'speculative', letter by letter."]
+
+
+def chat(srv, model, question, **kw):
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 60,
+            "temperature": 0, **kw}
+    r = httpx.post(srv.url + "/v1/chat/completions", headers=srv.headers, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def both(server, server_b, **kw):
+    with ThreadPoolExecutor(8) as pool:
+        plain = list(pool.map(lambda q: chat(server, "default", q, **kw), QUESTIONS))
+        spec = list(pool.map(lambda q: chat(server_b, "smol", q, **kw), QUESTIONS))
+    return plain, spec
+
+
+def test_greedy_answers_are_unchanged_by_speculation(server, server_b):
+    plain, spec = both(server, server_b)
+    for p, s in zip(plain, spec):
+        assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
+        assert s["usage"]["completion_tokens"] == p["usage"]["completion_tokens"]
+        assert "speculation" not in p["usage"]
+        u = s["usage"]["speculation"]
+        assert 0 <= u["accepted"] <= u["drafted"]
+    assert spec[0]["usage"]["speculation"]["accepted"] > 0  # the copy prompt's drafts were taken
+
+
+def test_seeded_sampling_is_unchanged_by_speculation(server, server_b):
+    plain, spec = both(server, server_b, temperature=0.8, seed=11)
+    for p, s in zip(plain, spec):
+        assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
+
+
+def test_drafts_are_reported_in_the_stream_responses_stats_and_metrics(server_b):
+    body = {"model": "smol", "messages": [{"role": "user", "content": COPY}], "max_tokens": 60, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with httpx.stream("POST", server_b.url + "/v1/chat/completions", headers=server_b.headers, json=body,
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+    assert usage["speculation"]["drafted"] >= usage["speculation"]["accepted"] > 0
+    r = httpx.post(server_b.url + "/v1/responses", headers=server_b.headers, timeout=120,
+                   json={"model": "smol", "input": COPY, "max_output_tokens": 60, "temperature": 0})
+    assert r.json()["usage"]["speculation"]["accepted"] > 0
+    stats = httpx.get(server_b.url + "/stats", headers=server_b.headers).json()["engine"]["spec_decode"]
+    assert stats["kind"] == "ngram" and stats["num_draft_tokens"] >= stats["num_accepted_tokens"] > 0
+    text = httpx.get(server_b.url + "/metrics", headers=server_b.headers).text
+    line = next(x for x in text.splitlines() if x.startswith("mlxfast:spec_decode_num_accepted_tokens_total{"))
+    assert 'proposer="ngram"' in line and float(line.split()[-1]) > 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--num-draft-tokens", "4"], "--draft-kind"),
+    (["--draft-kind", "ngram", "--num-draft-tokens", "0"], "1..32"),
+    (["--draft-kind", "ngram", "--num-draft-tokens", "33"], "1..32"),
+    (["--draft-kind", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min"),
+    (["--draft-kind", "eagle"], "invalid choice"),
+])
+def test_bad_speculation_flags_are_a_clear_startup_error(args, words):
+    r = subprocess.run([sys.executable, "-m", "mlxfast.serve", "--port", "1", *args], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and words in r.stderr, r.stderr
