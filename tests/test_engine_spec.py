@@ -15,12 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlxfast.engine.engine as engine_mod
+import mlxfast.engine.spec as spec_mod
 from engine_utils import ToyTokenizer, greedy, run_requests, tiny_model
 from mlxfast.engine.api import Request, SamplingParams
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
-from mlxfast.engine.spec import DraftLength, NgramProposer
+from mlxfast.engine.spec import Acceptance, NgramProposer, StepCost, select
 
 VOCAB = 97
 N = 40
@@ -70,8 +70,15 @@ class Oracle:
 
 
 @pytest.fixture
-def oracle(monkeypatch):
-    monkeypatch.setattr(engine_mod, "NgramProposer", Oracle)
+def verify_all(monkeypatch):
+    """Every proposed draft token is verified (the checks of verification
+    must not depend on which drafts the cost model finds worth it)."""
+    monkeypatch.setattr(spec_mod, "select", lambda candidates, *a: [n for _, n in candidates])
+
+
+@pytest.fixture
+def oracle(monkeypatch, verify_all):
+    monkeypatch.setattr(spec_mod, "NgramProposer", Oracle)
     Oracle.REFERENCE = {}
     return Oracle
 
@@ -224,7 +231,7 @@ def next_token_probs(model, ids) -> np.ndarray:
     return np.array(mx.softmax(logits))
 
 
-def test_speculative_sampling_follows_the_target_distribution(model, tok, monkeypatch):
+def test_speculative_sampling_follows_the_target_distribution(model, tok, monkeypatch, verify_all):
     """A deliberately bad draft (always the same token): the first two
     sampled tokens still follow the model's joint distribution (chi-square,
     p > 0.001 over cells with an expected count of 5 or more)."""
@@ -239,7 +246,7 @@ def test_speculative_sampling_follows_the_target_distribution(model, tok, monkey
         def propose(self, tokens, k):
             return [draft_token] * k
 
-    monkeypatch.setattr(engine_mod, "NgramProposer", Bad)
+    monkeypatch.setattr(spec_mod, "NgramProposer", Bad)
     n = 600
     reqs = [Request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True))
             for s in range(n)]
@@ -301,22 +308,41 @@ def test_ngram_proposer_matches_a_brute_force_search():
             assert got == want, (grown, got, want)
 
 
-def test_draft_length_adapts_and_backs_off():
-    d = DraftLength(8)
-    assert d.next() == 8
-    d.observe(8, 3)
-    assert d.next() == 4  # one past what was accepted
-    d.observe(4, 4)
-    assert d.next() == 8  # all accepted: doubles, up to the cap
-    d.observe(8, 0)
-    assert [d.next() for _ in range(2)] == [0, 1]  # a wholly rejected draft: a step without drafting
-    d.observe(1, 0)
-    assert [d.next() for _ in range(3)] == [0, 0, 1]  # twice in a row: two steps
+def test_acceptance_follows_recent_drafts_and_recovers_when_idle():
+    a = Acceptance()
+    assert a.alpha == 0.5  # the prior
     for _ in range(10):
-        d.observe(1, 0)
-        while d.next() == 0:
-            pass
-    assert d._cooldown == 0 and d.MAX_COOLDOWN == 16
+        a.observe(8, 8)
+    assert a.alpha > 0.95
+    for _ in range(10):
+        a.observe(4, 0)
+    assert a.alpha < 0.3  # recent rejections weigh most
+    low = a.alpha
+    for _ in range(30):
+        a.idle()
+    assert low < a.alpha < 0.55  # steps without drafts pull it back toward the prior
+
+
+def test_step_cost_fits_measured_steps():
+    c = StepCost()
+    rng = random.Random(0)
+    for _ in range(400):
+        t, r = rng.randrange(1, 64), rng.randrange(1, 16)
+        c.observe(t, r, 0.006 + 0.0004 * t + 0.001 * r)
+    assert c.seconds(10, 4) == pytest.approx(0.006 + 0.004 + 0.004, rel=0.02)
+    assert c.per_draft_token == pytest.approx(0.0014, rel=0.05)
+
+
+def test_select_takes_draft_tokens_only_while_they_pay():
+    c = StepCost(base=6e-3, per_token=2e-4, per_row=3e-4)  # a draft token: 0.5 ms
+    # one stream, 6.5 ms a step: a token accepted half the time pays; one in twenty does not
+    assert select([(0.5, 8)], 1, 1, 1, c) == [3]  # 0.5, 0.25, 0.125 > 0.5/6.5 > 0.0625
+    assert select([(0.05, 8)], 1, 1, 1, c) == [0]
+    # eight streams (10 ms for 8 tokens): a token must be accepted 40% of the time to pay
+    assert select([(0.35, 8)] + [(0.0, 0)] * 7, 8, 8, 8, c) == [0] + [0] * 7
+    assert select([(0.5, 8)] + [(0.0, 0)] * 7, 8, 8, 8, c) == [1] + [0] * 7
+    assert select([(0.97, 8), (0.5, 8)], 8, 8, 8, c)[0] == 8
+    assert select([], 8, 8, 8, c) == []
 
 
 @pytest.mark.parametrize("cfg", [dict(spec_kind="eagle"), dict(spec_kind="ngram", num_draft_tokens=0),

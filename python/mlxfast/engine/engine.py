@@ -36,7 +36,7 @@ from .output import OutputProcessor
 from .runner import Runner
 from .sampler import Sampled, SamplingState, sample, score_tokens
 from .scheduler import Scheduler, Seq
-from .spec import DraftLength, NgramProposer, speculation_allowed
+from .spec import Drafter, RowSpec, speculation_allowed
 
 log = logging.getLogger("mlxfast.engine")
 
@@ -136,8 +136,7 @@ class RequestStream:
 
 
 class _ReqState:
-    __slots__ = ("request", "stream", "sampling", "out", "t_submit", "t_last", "events", "prompt_lps",
-                 "proposer", "draft_length", "drafted", "accepted")
+    __slots__ = ("request", "stream", "sampling", "out", "t_submit", "t_last", "events", "prompt_lps", "spec")
 
     def __init__(self, request, stream):
         self.request = request
@@ -148,10 +147,7 @@ class _ReqState:
         self.t_last = None
         self.events = []
         self.prompt_lps = []  # PromptLogprob of prompt tokens 1.. scored so far
-        self.proposer = None  # speculative decoding, where the request allows it
-        self.draft_length = None
-        self.drafted = 0
-        self.accepted = 0
+        self.spec = None  # spec.RowSpec, where speculative decoding is on and the request allows it
 
 
 class Engine:
@@ -182,11 +178,11 @@ class Engine:
         if cfg.spec_kind and not 1 <= cfg.num_draft_tokens <= 32:
             raise ValueError(f"num_draft_tokens must be within [1, 32], got {cfg.num_draft_tokens}")
         if cfg.spec_kind:
-            NgramProposer(cfg.ngram_min, cfg.ngram_max)  # checks the n range now
+            RowSpec(cfg.ngram_min, cfg.ngram_max)  # checks the n range now
+        self.drafter = Drafter(cfg.num_draft_tokens) if cfg.spec_kind else None
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len,
-                                   propose=self._propose if cfg.spec_kind else None)
+                                   max_model_len=self.max_model_len, drafter=self.drafter)
         eos = getattr(tokenizer, "eos_token_ids", None) or set()
         self._eos = frozenset(int(t) for t in eos)
         self.pool: KVPool | None = None
@@ -419,8 +415,7 @@ class Engine:
         st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
         st.out = OutputProcessor(self.tokenizer, p.stop)
         if self.config.spec_kind and speculation_allowed(p):
-            st.proposer = NgramProposer(self.config.ngram_min, self.config.ngram_max)
-            st.draft_length = DraftLength(self.config.num_draft_tokens)
+            st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max)
         self.prompt_tokens_total += seq.prompt_len
         if seq.max_tokens <= 0 and not seq.score_prompt:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
@@ -451,8 +446,9 @@ class Engine:
                            stop_token_id=seq.stop_token_id if reason == "stop" else None,
                            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output,
                            cached_tokens=seq.cached_tokens or 0, error=error,
-                           speculation={"drafted": st.drafted, "accepted": st.accepted}
-                           if self.config.spec_kind else None)
+                           speculation=None if not self.config.spec_kind else
+                           {"drafted": st.spec.drafted, "accepted": st.spec.accepted} if st.spec else
+                           {"drafted": 0, "accepted": 0})
 
     def _step(self) -> None:
         sched = self.scheduler
@@ -462,11 +458,15 @@ class Engine:
             self.ssd.release_holds()
         if not plan.rows:
             raise RuntimeError("scheduler produced an empty step with work pending")
+        t0 = time.perf_counter()
         logits = self.runner.run(plan)
         for row, scores in logits.scores:
             self._score_prompt(row, scores)
         rows = plan.sample_rows
         results = self._verify(logits.sample, rows) if rows else []
+        if self.drafter is not None:  # what a step costs, for choosing the drafts worth verifying
+            self.drafter.cost.observe(plan.num_tokens, sum(1 + len(r.draft) for r in rows),
+                                      time.perf_counter() - t0)
         by_seq = {r.seq: res for r, res in zip(rows, results)}
         updates = sched.update(plan, [[res.token for res in row_results] for row_results in results])
         self.num_steps += 1
@@ -511,14 +511,6 @@ class Engine:
         del st.prompt_lps[row.start:]  # preempted while scoring: it starts over
         st.prompt_lps += score_tokens(logits, targets, st.request.params.prompt_logprobs)
 
-    def _propose(self, seq: Seq, k: int) -> list[int]:
-        """The scheduler's drafts for a decoding row: up to ``k`` tokens."""
-        st = seq.data
-        if st.proposer is None:
-            return []
-        k = min(k, st.draft_length.next())
-        return st.proposer.propose(seq.tokens, k) if k > 0 else []
-
     def _verify(self, logits, rows) -> list[list[Sampled]]:
         """Per sampled row: its next token, sampled as without speculation,
         preceded by the drafts that sampling reproduces. The row's logits at
@@ -547,10 +539,7 @@ class Engine:
                 accepted.append(res[j + 1])
             out.append(accepted)
             if r.draft:
-                st = r.seq.data
-                st.draft_length.observe(len(r.draft), len(accepted) - 1)
-                st.drafted += len(r.draft)
-                st.accepted += len(accepted) - 1
+                r.seq.data.spec.observe(len(r.draft), len(accepted) - 1)
                 self.spec_drafts += 1
                 self.spec_draft_tokens += len(r.draft)
                 self.spec_accepted_tokens += len(accepted) - 1

@@ -19,8 +19,8 @@ checked here; stop strings need text, so the engine's per-request output
 processor checks them and calls ``finish``.
 
 Speculative decoding rides on the same plan: a decoding row may carry
-``draft`` tokens proposed for it (``propose(seq, k)``, given the budget and
-room left once every row is planned). The runner computes the row's last
+``draft`` tokens (the ``drafter`` proposes them, given the budget and room
+left once every row is planned, and selects those worth verifying). The runner computes the row's last
 known token plus its drafts and gives logits at each of those positions; the
 engine verifies them, and ``update`` takes the tokens it accepted plus one
 more. The KV of accepted drafts is already in the pool; rejected drafts' slots
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..kv.block_pool import BlockAllocator, chain_hashes
 
@@ -119,10 +119,10 @@ class SeqUpdate:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, max_model_len: int = 4096,
-                 propose: Callable[[Seq, int], list[int]] | None = None):
+                 drafter: Any = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
-        self.propose = propose  # speculative decoding: up to k draft tokens for a decoding row
+        self.drafter = drafter  # speculative decoding (engine/spec.py Drafter), or None
         self.alloc = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -229,34 +229,42 @@ class Scheduler:
             self.running.append(seq)
             plan.rows.append(Row(seq, start, n, _samples(seq, start + n)))
             budget -= n
-        if self.propose is not None and budget > 0:
+        if self.drafter is not None and budget > 0:
             self._draft(plan, budget)
         return plan
 
     def _draft(self, plan: StepPlan, budget: int) -> None:
         """Drafts for decoding rows from what the step leaves: its budget,
         each row's room (context, max_tokens) and free blocks (drafting never
-        preempts)."""
+        preempts); the drafter picks how much of each to verify."""
         alloc = self.alloc
+        proposed = []
         for row in plan.rows:
             seq = row.seq
-            if not (row.sample and row.n == 1) or budget <= 0:
+            if not (row.sample and row.n == 1):
                 continue
             # the row's next token comes anyway: drafts are the tokens after it
             room = min(seq.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 1
             k = min(budget, room)
-            if k <= 0:
+            draft = list(self.drafter.propose(seq, k))[:k] if k > 0 else []
+            if draft:
+                proposed.append((row, draft))
+        if not proposed:
+            return
+        sampled = len(plan.sample_rows)
+        take = self.drafter.select([(row.seq, d) for row, d in proposed], plan.num_tokens, sampled, sampled)
+        for (row, draft), n in zip(proposed, take):
+            n = min(n, budget)
+            if n <= 0:
                 continue
-            draft = list(self.propose(seq, k))[:k]
-            if not draft:
-                continue
-            need = alloc.blocks_for(row.start + row.n + len(draft)) - len(seq.block_table)
+            seq = row.seq
+            need = alloc.blocks_for(row.start + row.n + n) - len(seq.block_table)
             if need > alloc.num_free:
                 continue
             if need > 0:
                 seq.block_table += alloc.allocate(need)
-            row.draft = draft
-            budget -= len(draft)
+            row.draft = draft[:n]
+            budget -= n
 
     def update(self, plan: StepPlan, tokens: list) -> list[SeqUpdate]:
         """Apply a step: ``tokens`` holds, per ``plan.sample_rows`` entry, the

@@ -1,4 +1,4 @@
-"""Speculative decoding: draft proposers and each row's draft length.
+"""Speculative decoding: draft proposers, and which drafts a step verifies.
 
 A proposer guesses the tokens that follow a sequence; the engine computes
 them in the same step as the row's next token and keeps the longest prefix
@@ -10,10 +10,16 @@ sequence (prompt and output) that occurred before, and what followed it
 there. Its index of n-grams grows with the sequence, so a proposal costs a
 dictionary lookup per n, whatever the context length.
 
-``DraftLength`` adapts each row's draft length to its recent acceptance: it
-doubles while every draft is accepted, falls to one past what was accepted
-otherwise, and after drafts that are wholly rejected it stops drafting for a
-while (1, 2, 4 ... 16 steps): a row that copies nothing costs nothing.
+Verifying is not free: each draft token is one more token through the model
+and one more row of the output head and the sampler (on the default model,
+on 2 cores: about 0.5 ms at one stream, where a step takes 6 ms; more per
+token at eight streams). So a step takes a draft token only where it pays:
+``Acceptance`` estimates each row's chance that its next draft token is
+accepted (a draft's j-th token then comes with probability alpha^j),
+``StepCost`` fits the step time to the step's tokens and output rows as they
+are measured, and ``select`` adds draft tokens, best first, while each raises
+the step's expected tokens per second. A row that copies nothing, or a batch
+where verification costs more than it brings, decodes plainly.
 """
 
 from __future__ import annotations
@@ -50,37 +56,84 @@ class NgramProposer:
         return []
 
 
-class DraftLength:
-    """One row's draft length, from its recent acceptance."""
+class Acceptance:
+    """A row's chance that a draft token is accepted, given the ones before
+    it were: accepted and rejected draft tokens counted with decay (recent
+    drafts weigh most) over a uniform prior. The counts also decay on steps
+    without drafts, so a row that stopped drafting tries again later."""
 
-    MAX_COOLDOWN = 16
+    DECAY = 0.7  # per verified draft
+    IDLE_DECAY = 0.95  # per step without one
 
-    def __init__(self, k_max: int):
-        self.k_max = k_max
-        self.k = k_max
-        self._misses = 0  # consecutive wholly rejected drafts
-        self._cooldown = 0  # steps left without drafting
+    def __init__(self):
+        self.accepted = 0.0
+        self.rejected = 0.0
 
-    def next(self) -> int:
-        """How many tokens to draft this step (0: decode plainly)."""
-        if self._cooldown > 0:
-            self._cooldown -= 1
-            return 0
-        return self.k
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
-            return
-        if accepted == drafted:
-            self.k = min(self.k_max, 2 * self.k)
-            self._misses = 0
-        elif accepted == 0:
-            self.k = 1
-            self._misses += 1
-            self._cooldown = min(self.MAX_COOLDOWN, 1 << (self._misses - 1))
-        else:
-            self.k = max(1, accepted + 1)
-            self._misses = 0
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.rejected = self.rejected * self.DECAY + (1 if accepted < drafted else 0)
+
+    def idle(self) -> None:
+        self.accepted *= self.IDLE_DECAY
+        self.rejected *= self.IDLE_DECAY
+
+
+class StepCost:
+    """Step time ~ base + per_token * tokens + per_row * output rows, fitted
+    by recursive least squares with forgetting over the steps measured (a
+    prior keeps it sane before there are any). Kept in milliseconds, where
+    the measurement noise is of order one."""
+
+    FORGET = 0.995
+
+    def __init__(self, base: float = 5e-3, per_token: float = 2e-4, per_row: float = 3e-4):
+        import numpy as np
+
+        self._np = np
+        self.theta = np.array([base, per_token, per_row]) * 1e3
+        self.P = np.diag([25.0, 0.25, 0.25])  # prior variance (ms^2)
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        np = self._np
+        x = np.array([1.0, tokens, rows])
+        Px = self.P @ x
+        gain = Px / (self.FORGET + x @ Px)
+        self.theta = self.theta + gain * (seconds * 1e3 - x @ self.theta)
+        self.P = (self.P - np.outer(gain, Px)) / self.FORGET
+
+    def seconds(self, tokens: int, rows: int) -> float:
+        return float(self.theta @ (1.0, tokens, rows)) * 1e-3
+
+    @property
+    def per_draft_token(self) -> float:
+        """What one more draft token costs: a token and an output row."""
+        return max(1e-6, float(self.theta[1] + self.theta[2]) * 1e-3)
+
+
+def select(candidates: list[tuple[float, int]], tokens: int, rows: int, sampled: int,
+           cost: StepCost) -> list[int]:
+    """How many draft tokens each candidate row verifies. ``candidates`` are
+    (alpha, tokens proposed) per row; the step already computes ``tokens``
+    tokens and ``rows`` output rows and yields ``sampled`` tokens. Draft
+    tokens go in by their chance of being accepted (alpha^j for a row's j-th),
+    each while it raises expected tokens per second."""
+    order = sorted(((alpha ** j, i) for i, (alpha, n) in enumerate(candidates) for j in range(1, n + 1)),
+                   reverse=True)
+    take = [0] * len(candidates)
+    expected = float(sampled)
+    seconds = max(cost.seconds(tokens, rows), 1e-6)
+    extra = cost.per_draft_token
+    for value, i in order:
+        if (expected + value) * seconds <= expected * (seconds + extra):
+            break  # this one and every later one (worth less) would lower the rate
+        take[i] += 1
+        expected += value
+        seconds += extra
+    return take
 
 
 def speculation_allowed(params) -> bool:
@@ -90,3 +143,44 @@ def speculation_allowed(params) -> bool:
     grammar advances with each token, so those requests decode plainly."""
     return (params.repetition_penalty == 1 and not params.presence_penalty
             and not params.frequency_penalty and params.grammar is None)
+
+
+class RowSpec:
+    """One request's speculative decoding state."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.proposer = NgramProposer(n_min, n_max)
+        self.acceptance = Acceptance()
+        self.drafted = 0
+        self.accepted = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.acceptance.observe(drafted, accepted)
+        self.drafted += drafted
+        self.accepted += accepted
+
+
+class Drafter:
+    """What the scheduler asks of speculative decoding: drafts for a row
+    (``seq.data.spec`` is its RowSpec, or None where the request's sampling
+    does not allow speculation) and which of them a step verifies."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.cost = StepCost()
+
+    def propose(self, seq, k: int) -> list[int]:
+        spec = getattr(seq.data, "spec", None)
+        if spec is None:
+            return []
+        return spec.proposer.propose(seq.tokens, min(k, self.k_max))
+
+    def select(self, drafts: list[tuple[object, list[int]]], tokens: int, rows: int, sampled: int) -> list[int]:
+        """How many tokens of each (seq, draft) the step verifies."""
+        specs = [seq.data.spec for seq, _ in drafts]
+        take = select([(sp.acceptance.alpha, len(d)) for sp, (_, d) in zip(specs, drafts)],
+                      tokens, rows, sampled, self.cost)
+        for sp, n in zip(specs, take):
+            if n == 0:
+                sp.acceptance.idle()
+        return take
