@@ -351,3 +351,48 @@ def test_select_takes_draft_tokens_only_while_they_pay():
 def test_bad_speculation_settings_are_refused(model, tok, cfg):
     with pytest.raises(ValueError):
         Engine(model, tok, EngineConfig(num_blocks=16, **cfg))
+
+
+# ---------------------------------------------------------------- the default model, the real proposer
+
+
+CODE = '''def mean(values):
+    """The arithmetic mean of a list of numbers."""
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+'''
+ASKS = ["Copy this code exactly:\n\n" + CODE, "Repeat this text twice: the quick brown fox jumps over the lazy dog.",
+        "Copy this code, then explain it in one line:\n\n" + CODE, "Count from 1 to 20, separated by commas.",
+        "Write the alphabet in capitals, with spaces.", "Say 'hello world' three times.",
+        "Copy this list: apples, pears, plums, cherries, grapes, lemons.", "What is the capital of France?"]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    import mlxfast
+
+    return mlxfast.load()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [None, ["total"]])
+def test_default_model_prompt_lookup_changes_no_token(default_model, stop):
+    model, tok = default_model
+
+    def ids(q):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+                          add_special_tokens=False)
+
+    reqs = [Request(ids(q), SamplingParams(max_tokens=80, temperature=0, stop=stop or [])) for q in ASKS]
+    delays = [0.0, 0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5]
+    cfg = dict(num_blocks=512, max_num_batched_tokens=256, enable_prefix_cache=False)
+    plain, _ = run(model, tok, reqs, spec=False, **cfg)
+    spec, stats = run(model, tok, reqs, delays=delays, **cfg)
+    alone, _ = run(model, tok, reqs[:1], **cfg)
+    for (ptoks, ptext, pfin), (stoks, stext, sfin) in zip(plain, spec):
+        assert (stoks, stext, sfin.finish_reason, sfin.completion_tokens) == (
+            ptoks, ptext, pfin.finish_reason, pfin.completion_tokens)
+    assert alone[0][0] == plain[0][0]
+    assert alone[0][2].speculation["accepted"] > 0  # the copy was drafted and taken
