@@ -7,8 +7,10 @@ same model (the outputs are identical, greedy, so the ratio is of times).
 
 Workloads: ``copy`` (source code, then an instruction to reproduce it with a
 small change: the answer re-emits its context) and ``prose`` (answers that
-copy nothing). Targets (issue #17): copy >= 2x at 1 stream and >= 1.4x at 8;
-prose >= 0.95x.
+copy nothing), with prompt lookup; with ``--draft``, ``draft``: the default
+model converted to float32 as the target, the Q4_1 GGUF as its draft model,
+on prose. Targets (issue #17): copy >= 2x at 1 stream and >= 1.4x at 8;
+prose >= 0.95x; draft >= 1.5x.
 """
 
 from __future__ import annotations
@@ -103,6 +105,74 @@ def run(engine, batch, n_tokens):
     return n / (end - start), [t for _, t, _ in res], drafted, accepted
 
 
+def fp32_copy(gguf_path, out_dir):
+    """The GGUF model as an HF directory of float32 weights (``mlxfast
+    convert``, then every quantized tensor dequantized)."""
+    import json
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from mlxfast.convert import convert_gguf
+
+    out = Path(convert_gguf(gguf_path, out_dir))
+    config = json.loads((out / "config.json").read_text())
+    group = config.get("quantization", {}).get("group_size", 32)
+    weights = mx.load(str(out / "model.safetensors"))
+    dense = {}
+    for k, v in weights.items():
+        base = k.rsplit(".", 1)[0]
+        if (k.endswith(".scales") or k.endswith(".biases")) and base + ".scales" in weights:
+            continue
+        if k.endswith(".weight") and base + ".scales" in weights:
+            sc = weights[base + ".scales"]
+            bits = v.shape[-1] * 32 // (sc.shape[-1] * group)
+            v = mx.dequantize(v, sc, weights[base + ".biases"], group_size=group, bits=bits)
+        dense[k] = v.astype(mx.float32)
+    mx.save_safetensors(str(out / "model.safetensors"), dense, metadata={"format": "mlx"})
+    for key in ("quantization", "quantization_config"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def measure(off, on, batch, args, label, c):
+    """Alternating rounds off / on over ``batch``: one line of the table."""
+    run(off, batch, 8), run(on, batch, 8)  # warm up (and fill the prefix cache alike)
+    ratios, offs, ons, same, drafted, accepted = [], [], [], True, 0, 0
+    for _ in range(args.rounds):
+        a, ta, _, _ = run(off, batch, args.tokens)
+        b, tb, d, acc = run(on, batch, args.tokens)
+        offs.append(a)
+        ons.append(b)
+        ratios.append(b / a)
+        same &= ta == tb
+        drafted += d
+        accepted += acc
+    rate = accepted / drafted if drafted else 0.0
+    print(f"{label:8} {c:7d} {statistics.median(offs):10.1f} {statistics.median(ons):10.1f} "
+          f"{statistics.median(ratios):6.2f} {rate:7.1%}  {same}", flush=True)
+
+
+def draft_bench(args):
+    import tempfile
+
+    from mlxfast.models.loader import default_model_path
+
+    draft, _ = mlxfast.load()
+    with tempfile.TemporaryDirectory() as tmp:
+        target, tok = mlxfast.load(str(fp32_copy(default_model_path(), tmp)))
+    cfg = dict(num_blocks=2048, max_num_seqs=16)
+    off = Engine(target, tok, EngineConfig(**cfg)).start()
+    on = Engine(target, tok, EngineConfig(spec_kind="model", draft_model=draft, num_draft_tokens=3, **cfg)).start()
+    try:
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            measure(off, on, prompts(tok, "prose", c), args, "draft", c)
+    finally:
+        off.shutdown()
+        on.shutdown()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -110,30 +180,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--draft", action="store_true", help="the draft-model workload instead")
     args = ap.parse_args()
+    print(f"{'workload':8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7}  identical")
+    if args.draft:
+        return draft_bench(args)
     model, tok = mlxfast.load(args.model)
     cfg = dict(num_blocks=2048, max_num_seqs=16)
     off = Engine(model, tok, EngineConfig(**cfg)).start()
     on = Engine(model, tok, EngineConfig(spec_kind="ngram", num_draft_tokens=args.num_draft_tokens, **cfg)).start()
-    print(f"{'workload':8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7}  identical")
     try:
         for kind in ("copy", "prose"):
             for c in [int(x) for x in args.concurrency.split(",")]:
-                batch = prompts(tok, kind, c)
-                run(off, batch, 8), run(on, batch, 8)  # warm up (and fill the prefix cache alike)
-                ratios, offs, ons, same, drafted, accepted = [], [], [], True, 0, 0
-                for _ in range(args.rounds):  # alternating rounds
-                    a, ta, _, _ = run(off, batch, args.tokens)
-                    b, tb, d, acc = run(on, batch, args.tokens)
-                    offs.append(a)
-                    ons.append(b)
-                    ratios.append(b / a)
-                    same &= ta == tb
-                    drafted += d
-                    accepted += acc
-                rate = accepted / drafted if drafted else 0.0
-                print(f"{kind:8} {c:7d} {statistics.median(offs):10.1f} {statistics.median(ons):10.1f} "
-                      f"{statistics.median(ratios):6.2f} {rate:7.1%}  {same}")
+                measure(off, on, prompts(tok, kind, c), args, kind, c)
     finally:
         off.shutdown()
         on.shutdown()

@@ -396,3 +396,60 @@ def test_default_model_prompt_lookup_changes_no_token(default_model, stop):
             ptoks, ptext, pfin.finish_reason, pfin.completion_tokens)
     assert alone[0][0] == plain[0][0]
     assert alone[0][2].speculation["accepted"] > 0  # the copy was drafted and taken
+
+
+# ---------------------------------------------------------------- a draft model
+
+
+def half_copy(model):
+    """The model's weights in float16: a smaller draft that agrees with it almost always."""
+    from mlx.utils import tree_map
+
+    draft = tiny_model(0, vocab=VOCAB)
+    draft.update(tree_map(lambda p: p.astype(mx.float16), model.parameters()))
+    mx.eval(draft.parameters())
+    return draft
+
+
+@pytest.mark.parametrize("which", ["close", "bad"])
+def test_draft_model_drafts_change_no_token(model, tok, reference, verify_all, which):
+    draft = half_copy(model) if which == "close" else tiny_model(5, vocab=VOCAB, layers=1)
+    kw = dict(spec_kind="model", draft_model=draft, num_draft_tokens=4)
+    reqs = [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS]
+    res, stats = run(model, tok, reqs, delays=[0, 0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.1], **kw)
+    assert [toks for toks, _, _ in res] == reference
+    spec = stats["spec_decode"]
+    if which == "close":
+        assert spec["num_accepted_tokens"] > 0.8 * spec["num_draft_tokens"] > 0
+    else:
+        assert spec["num_draft_tokens"] > spec["num_accepted_tokens"]
+    sreqs = [Request(p, sampled(100 + i)) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(model, tok, sreqs, spec=False)
+    spec_res, _ = run(model, tok, sreqs, **kw)
+    assert [t for t, _, _ in spec_res] == [t for t, _, _ in plain]
+
+
+def test_draft_model_with_preemption_and_max_tokens(model, tok, reference, verify_all):
+    kw = dict(spec_kind="model", draft_model=half_copy(model), num_draft_tokens=6)
+    res, stats = run(model, tok, [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS], num_blocks=40, **kw)
+    assert stats["num_preemptions_total"] > 0
+    assert [toks for toks, _, _ in res] == reference
+    eng = engine(model, tok, **kw)
+    try:
+        res = run_requests(eng, [Request(PROMPTS[3], greedy(m, ignore_eos=True)) for m in range(1, 13)])
+        pool = eng.drafter.draft_model.alloc
+        assert pool.num_free == pool.num_blocks  # finished rows gave their draft blocks back
+    finally:
+        eng.shutdown()
+    assert [toks for toks, _, _ in res] == [reference[3][:m] for m in range(1, 13)]
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda m: tiny_model(5, vocab=VOCAB + 3, layers=1), "vocabulary"),
+    (lambda m: tiny_model(5, vocab=VOCAB), "not smaller"),
+])
+def test_an_unfit_draft_model_is_refused(model, tok, make, words):
+    with pytest.raises(ValueError, match=words):
+        Engine(model, tok, EngineConfig(num_blocks=16, spec_kind="model", draft_model=make(model)))
+    with pytest.raises(ValueError, match="draft model"):
+        Engine(model, tok, EngineConfig(num_blocks=16, spec_kind="model"))

@@ -89,8 +89,23 @@ def test_drafts_are_reported_in_the_stream_responses_stats_and_metrics(server_b)
     (["--draft-kind", "ngram", "--num-draft-tokens", "33"], "1..32"),
     (["--draft-kind", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min"),
     (["--draft-kind", "eagle"], "invalid choice"),
+    (["--draft-kind", "model"], "--draft-model"),
+    (["--draft-kind", "ngram", "--draft-model", "x.gguf"], "no --draft-model"),
+    (["--draft-model", "x.gguf", "--ngram-max", "3"], "--ngram-max"),
 ])
 def test_bad_speculation_flags_are_a_clear_startup_error(args, words):
     r = subprocess.run([sys.executable, "-m", "mlxfast.serve", "--port", "1", *args], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and words in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("draft,words", [("missing", "could not be loaded"), ("default", "not smaller")])
+def test_an_unfit_draft_model_stops_the_server_with_one_clear_line(tmp_path, draft, words):
+    from mlxfast.models.loader import default_model_path
+
+    path = str(tmp_path / "nope.gguf") if draft == "missing" else str(default_model_path())
+    r = subprocess.run([sys.executable, "-m", "mlxfast.serve", "--port", "0", "--draft-model", path],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("mlxfast: error:")]
+    assert len(lines) == 1 and words in lines[0], r.stderr

@@ -71,11 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "list as vLLM takes it, e.g. 'http://localhost:3000' or '[\"*\"]'; default none")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require --api-key on /metrics too (open by default, as vLLM's)")
-    p.add_argument("--draft-kind", choices=["ngram"], default=None,
-                   help="speculative decoding: ngram = prompt lookup (drafts from the request's own prompt and "
-                        "output; lossless: the output is what decoding without it gives)")
+    p.add_argument("--draft-kind", choices=["ngram", "model"], default=None,
+                   help="speculative decoding (lossless: the output is what decoding without it gives): "
+                        "ngram = prompt lookup (drafts from the request's own prompt and output), "
+                        "model = drafts from --draft-model (the default when it is given)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a smaller model with the same tokenizer (HF/MLX directory or GGUF) that drafts tokens")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
-                   help="speculative decoding: draft tokens per row and step at most (default 8; 1..32)")
+                   help="speculative decoding: draft tokens per row and step at most "
+                        "(default 8 for ngram, 3 for a draft model; 1..32)")
     p.add_argument("--ngram-max", type=int, default=None, metavar="N",
                    help="prompt lookup: the longest trailing n-gram looked up (default 4)")
     p.add_argument("--ngram-min", type=int, default=None, metavar="N",
@@ -148,6 +152,20 @@ def _engine_config(args):
     return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
 
 
+def _load_draft(load_model, path: str, tokenizer):
+    """The draft model, refused unless its tokenizer is the target's."""
+    try:
+        draft, dtok = load_model(path)
+    except Exception as e:
+        raise ValueError(f"the draft model {path} could not be loaded: {e}") from None
+    if dtok.vocab_size != tokenizer.vocab_size or any(
+            dtok.id_to_token(i) != tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)):
+        raise ValueError(f"the draft model {path} has another tokenizer than the target "
+                         f"({dtok.vocab_size} vs {tokenizer.vocab_size} tokens, or different ones): "
+                         "a draft model must share the target's vocabulary")
+    return draft
+
+
 def _model_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name[0]
@@ -180,9 +198,19 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--max-tokens must be at least 1")
     if args.responses_store_size < 0:
         return _fail("--responses-store-size must be 0 or more")
+    if args.draft_model is not None and args.draft_kind is None:
+        args.draft_kind = "model"
+    if args.draft_kind == "model" and args.draft_model is None:
+        return _fail("--draft-kind model needs --draft-model PATH")
+    if args.draft_kind == "ngram" and args.draft_model is not None:
+        return _fail("--draft-kind ngram drafts by prompt lookup; it takes no --draft-model")
+    if args.draft_kind == "model" and (args.ngram_min is not None or args.ngram_max is not None):
+        return _fail("--ngram-min and --ngram-max are for --draft-kind ngram")
     if args.draft_kind is None and any(v is not None for v in (args.num_draft_tokens, args.ngram_min,
                                                                args.ngram_max)):
         return _fail("--num-draft-tokens, --ngram-min and --ngram-max need --draft-kind")
+    if args.draft_kind == "model" and args.num_draft_tokens is None:
+        args.num_draft_tokens = 3
     if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= 32:
         return _fail("--num-draft-tokens must be within 1..32")
     n_min, n_max = args.ngram_min or 1, args.ngram_max or 4
@@ -253,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             from .engine.engine import Engine
 
             model, tokenizer = load_model(args.model)
-            engine = Engine(model, tokenizer, _engine_config(args))
+            config = _engine_config(args)
+            if args.draft_model is not None:
+                config.draft_model = _load_draft(load_model, args.draft_model, tokenizer)
+            engine = Engine(model, tokenizer, config)
             engine.start()
             while not server.started and not server.should_exit:
                 time.sleep(0.01)

@@ -27,11 +27,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: model max_position_embeddings, capped by the pool
     enable_prefix_cache: bool = True
     model_fingerprint: str = ""  # prefix-cache namespace; "" = derived from the model config
-    # Speculative decoding (engine/spec.py): None = off | "ngram" (prompt lookup)
+    # Speculative decoding (engine/spec.py): None = off | "ngram" (prompt lookup) | "model"
     spec_kind: str | None = None
     num_draft_tokens: int = 8  # drafts per row and step, at most (each row adapts below it)
     ngram_min: int = 1  # prompt lookup: the shortest trailing n-gram looked up
     ngram_max: int = 4  # ... and the longest (tried first)
+    draft_model: object = None  # spec_kind "model": a loaded model sharing the tokenizer (engine/draft.py)
     # Attention path: None = native kernel where available, else MLX reference
     native_attention: bool | None = None
     # SSD tier of the prefix cache (kv/ssd.py); None = off

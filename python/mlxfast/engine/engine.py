@@ -36,7 +36,7 @@ from .output import OutputProcessor
 from .runner import Runner
 from .sampler import Sampled, SamplingState, sample, score_tokens
 from .scheduler import Scheduler, Seq
-from .spec import Drafter, RowSpec, speculation_allowed
+from .spec import Drafter, RowSpec, check_draft_model, speculation_allowed
 
 log = logging.getLogger("mlxfast.engine")
 
@@ -173,13 +173,17 @@ class Engine:
             repr(args).encode(), digest_size=8).hexdigest()
         self._namespace = f"{fingerprint}|{self.kv_spec.scheme_id}|bs{bs}"
         self.allocator = BlockAllocator(self.num_blocks, bs, cfg.enable_prefix_cache)
-        if cfg.spec_kind not in (None, "ngram"):
-            raise ValueError(f"unknown speculative decoding kind {cfg.spec_kind!r} (known: ngram)")
+        if cfg.spec_kind not in (None, "ngram", "model"):
+            raise ValueError(f"unknown speculative decoding kind {cfg.spec_kind!r} (known: ngram, model)")
+        if (cfg.spec_kind == "model") != (cfg.draft_model is not None):
+            raise ValueError("speculative decoding kind 'model' takes a draft model, and only it does")
         if cfg.spec_kind and not 1 <= cfg.num_draft_tokens <= 32:
             raise ValueError(f"num_draft_tokens must be within [1, 32], got {cfg.num_draft_tokens}")
         if cfg.spec_kind:
             RowSpec(cfg.ngram_min, cfg.ngram_max)  # checks the n range now
-        self.drafter = Drafter(cfg.num_draft_tokens) if cfg.spec_kind else None
+        if cfg.draft_model is not None:
+            check_draft_model(cfg.draft_model, model, tokenizer)
+        self.drafter = None  # made on the engine thread (a draft model allocates its pool there)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, drafter=self.drafter)
@@ -316,6 +320,14 @@ class Engine:
                                self.model.args.num_key_value_heads, self.model.args.head_dim,
                                self.kv_dtype, kv_quant=self.kv_spec)
             self.runner = Runner(self.model, self.pool, native=self.config.native_attention)
+            if self.config.spec_kind:
+                draft = None
+                if self.config.draft_model is not None:
+                    from .draft import DraftModel
+
+                    draft = DraftModel(self.config.draft_model, self.num_blocks, self.block_size,
+                                       self.kv_dtype, native=self.config.native_attention)
+                self.drafter = self.scheduler.drafter = Drafter(self.config.num_draft_tokens, draft)
             if self.config.ssd_cache_dir:
                 from ..kv.ssd import open_tier
 
@@ -440,6 +452,8 @@ class Engine:
     def _finish_event(self, seq: Seq, reason: str, text: str = "", error: str | None = None,
                       stop_string: str | None = None) -> FinishEvent:
         st = seq.data
+        if self.drafter is not None:
+            self.drafter.release(seq)
         now = time.monotonic()
         self.e2e.observe(now - st.t_submit)
         return FinishEvent(reason, text=text, stop_string=stop_string,
@@ -452,13 +466,13 @@ class Engine:
 
     def _step(self) -> None:
         sched = self.scheduler
+        t0 = time.perf_counter()  # the step's cost, drafting included
         plan = sched.schedule()
         if self.ssd is not None:
             self.ssd.spill_evicted()  # copy evicted cached blocks out before this step overwrites them
             self.ssd.release_holds()
         if not plan.rows:
             raise RuntimeError("scheduler produced an empty step with work pending")
-        t0 = time.perf_counter()
         logits = self.runner.run(plan)
         for row, scores in logits.scores:
             self._score_prompt(row, scores)
@@ -539,7 +553,7 @@ class Engine:
                 accepted.append(res[j + 1])
             out.append(accepted)
             if r.draft:
-                r.seq.data.spec.observe(len(r.draft), len(accepted) - 1)
+                self.drafter.verified(r.seq, r.start + r.n, len(r.draft), len(accepted) - 1)
                 self.spec_drafts += 1
                 self.spec_draft_tokens += len(r.draft)
                 self.spec_accepted_tokens += len(accepted) - 1

@@ -236,35 +236,33 @@ class Scheduler:
     def _draft(self, plan: StepPlan, budget: int) -> None:
         """Drafts for decoding rows from what the step leaves: its budget,
         each row's room (context, max_tokens) and free blocks (drafting never
-        preempts); the drafter picks how much of each to verify."""
+        preempts); the drafter proposes and picks what is worth verifying."""
         alloc = self.alloc
-        proposed = []
+        rows = []
         for row in plan.rows:
             seq = row.seq
             if not (row.sample and row.n == 1):
                 continue
             # the row's next token comes anyway: drafts are the tokens after it
             room = min(seq.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 1
-            k = min(budget, room)
-            draft = list(self.drafter.propose(seq, k))[:k] if k > 0 else []
-            if draft:
-                proposed.append((row, draft))
-        if not proposed:
+            if min(budget, room) > 0:
+                rows.append((row, min(budget, room)))
+        if not rows:
             return
         sampled = len(plan.sample_rows)
-        take = self.drafter.select([(row.seq, d) for row, d in proposed], plan.num_tokens, sampled, sampled)
-        for (row, draft), n in zip(proposed, take):
-            n = min(n, budget)
-            if n <= 0:
+        drafts = self.drafter.draft([(row.seq, k) for row, k in rows], plan.num_tokens, sampled, sampled)
+        for (row, _), draft in zip(rows, drafts):
+            draft = draft[:budget]
+            if not draft:
                 continue
             seq = row.seq
-            need = alloc.blocks_for(row.start + row.n + n) - len(seq.block_table)
+            need = alloc.blocks_for(row.start + row.n + len(draft)) - len(seq.block_table)
             if need > alloc.num_free:
                 continue
             if need > 0:
                 seq.block_table += alloc.allocate(need)
-            row.draft = draft[:n]
-            budget -= n
+            row.draft = draft
+            budget -= len(draft)
 
     def update(self, plan: StepPlan, tokens: list) -> list[SeqUpdate]:
         """Apply a step: ``tokens`` holds, per ``plan.sample_rows`` entry, the

@@ -5,7 +5,8 @@ them in the same step as the row's next token and keeps the longest prefix
 that the target's own sampling reproduces (see ``Engine._verify``): output is
 what decoding without speculation gives, greedy or seeded-sampled.
 
-``NgramProposer`` is prompt lookup: the longest trailing n-gram of the
+``NgramProposer`` is prompt lookup (``engine/draft.py`` drafts from a
+second model instead): the longest trailing n-gram of the
 sequence (prompt and output) that occurred before, and what followed it
 there. Its index of n-grams grows with the sequence, so a proposal costs a
 dictionary lookup per n, whatever the context length.
@@ -151,6 +152,7 @@ class RowSpec:
     def __init__(self, n_min: int, n_max: int):
         self.proposer = NgramProposer(n_min, n_max)
         self.acceptance = Acceptance()
+        self.draft = None  # its state in a draft model's pool (engine/draft.py)
         self.drafted = 0
         self.accepted = 0
 
@@ -161,26 +163,63 @@ class RowSpec:
 
 
 class Drafter:
-    """What the scheduler asks of speculative decoding: drafts for a row
-    (``seq.data.spec`` is its RowSpec, or None where the request's sampling
-    does not allow speculation) and which of them a step verifies."""
+    """What the scheduler asks of speculative decoding: the drafts a step
+    verifies. ``seq.data.spec`` is a row's RowSpec (None where the request's
+    sampling does not allow speculation). With ``draft_model``
+    (engine/draft.py) drafts come from it, else from prompt lookup."""
 
-    def __init__(self, k_max: int):
+    def __init__(self, k_max: int, draft_model=None):
         self.k_max = k_max
+        self.draft_model = draft_model
         self.cost = StepCost()
 
-    def propose(self, seq, k: int) -> list[int]:
-        spec = getattr(seq.data, "spec", None)
-        if spec is None:
-            return []
-        return spec.proposer.propose(seq.tokens, min(k, self.k_max))
-
-    def select(self, drafts: list[tuple[object, list[int]]], tokens: int, rows: int, sampled: int) -> list[int]:
-        """How many tokens of each (seq, draft) the step verifies."""
-        specs = [seq.data.spec for seq, _ in drafts]
-        take = select([(sp.acceptance.alpha, len(d)) for sp, (_, d) in zip(specs, drafts)],
-                      tokens, rows, sampled, self.cost)
-        for sp, n in zip(specs, take):
-            if n == 0:
+    def draft(self, rows: list[tuple[object, int]], tokens: int, out_rows: int, sampled: int) -> list[list[int]]:
+        """Drafts for ``(seq, at most k)`` rows of a step that computes
+        ``tokens`` tokens and ``out_rows`` output rows and yields ``sampled``
+        tokens: proposals cut to what ``select`` finds worth verifying."""
+        out: list[list[int]] = [[] for _ in rows]
+        live = [(i, seq, min(k, self.k_max)) for i, (seq, k) in enumerate(rows)
+                if getattr(seq.data, "spec", None) is not None and k > 0]
+        if not live:
+            return out
+        specs = [seq.data.spec for _, seq, _ in live]
+        if self.draft_model is None:  # prompt lookup proposes for free: choose among its proposals
+            proposals = [sp.proposer.propose(seq.tokens, k) for sp, (_, seq, k) in zip(specs, live)]
+            take = select([(sp.acceptance.alpha, len(p)) for sp, p in zip(specs, proposals)],
+                          tokens, out_rows, sampled, self.cost)
+        else:  # a draft model's tokens cost a forward each: choose lengths first
+            take = select([(sp.acceptance.alpha, k) for sp, (_, _, k) in zip(specs, live)],
+                          tokens, out_rows, sampled, self.cost)
+            proposals = self.draft_model.propose([(seq, n) for (_, seq, _), n in zip(live, take)])
+        for sp, (i, _, _), p, n in zip(specs, live, proposals, take):
+            out[i] = list(p[:n])
+            if not out[i]:
                 sp.acceptance.idle()
-        return take
+        return out
+
+    def verified(self, seq, old_len: int, drafted: int, accepted: int) -> None:
+        seq.data.spec.observe(drafted, accepted)
+        if self.draft_model is not None:
+            self.draft_model.accepted(seq, old_len, drafted, accepted)
+
+    def release(self, seq) -> None:
+        if self.draft_model is not None:
+            self.draft_model.release(seq)
+
+
+def check_draft_model(draft, target, tokenizer) -> None:
+    """A ValueError naming the problem unless ``draft`` can draft for
+    ``target``: the same vocabulary size, and smaller."""
+    dv, tv = draft.args.vocab_size, target.args.vocab_size
+    if dv != tv:
+        raise ValueError(f"the draft model's vocabulary ({dv} tokens) differs from the target's ({tv}): "
+                         "a draft model must share the target's tokenizer")
+
+    def size(m) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+
+    if size(draft) >= size(target):
+        raise ValueError(f"the draft model ({size(draft) / 1e6:.0f} MB) is not smaller than the target "
+                         f"({size(target) / 1e6:.0f} MB): drafting with it cannot pay")

@@ -1,0 +1,101 @@
+"""Drafts from a second, smaller model (``--draft-model``): same tokenizer,
+its own KV pool, run by the engine thread inside the step it drafts for.
+
+Each drafting row keeps the draft model's KV of its sequence in the draft
+pool (block tables of its own; no prefix cache). To draft k tokens for a set
+of rows: one batched forward catches each row up on the tokens it has not
+seen (the prompt at first, then what the last step accepted) and gives the
+first draft token; k - 1 more batched one-token forwards give the rest.
+Drafts are the draft model's argmax: a deterministic proposal, which the
+engine's verification turns into the target's own tokens (greedy or sampled).
+After verification the row's draft KV is kept up to the tokens accepted;
+rejected positions are overwritten later, as in the target's pool.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..kv.block_pool import BlockAllocator, KVPool
+from .runner import Runner
+from .scheduler import Row, Seq, StepPlan
+
+
+class _DraftSeq:
+    """A row's state in the draft pool."""
+
+    __slots__ = ("seq", "num_computed")
+
+    def __init__(self, request_id: str):
+        self.seq = Seq(request_id, [0], max_tokens=1)  # tokens and block table set per use
+        self.seq.block_table = []
+        self.num_computed = 0  # tokens of the target sequence whose draft KV is in the pool
+
+
+class DraftModel:
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype, native: bool | None = None):
+        args = model.args
+        self.model = model
+        self.pool = KVPool(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads,
+                           args.head_dim, kv_dtype)
+        self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_cache=False)
+        self.runner = Runner(model, self.pool, native=native)
+        self.block_size = block_size
+
+    def _state(self, seq) -> _DraftSeq:
+        spec = seq.data.spec
+        if spec.draft is None:
+            spec.draft = _DraftSeq(seq.request_id)
+        return spec.draft
+
+    def propose(self, wants: list[tuple[object, int]]) -> list[list[int]]:
+        """Up to ``k`` draft tokens for each ``(seq, k)``; a row the draft
+        pool has no room for gets none."""
+        out: list[list[int]] = [[] for _ in wants]
+        rows = []  # (index into wants, draft seq, k)
+        for i, (seq, k) in enumerate(wants):
+            if k <= 0:
+                continue
+            d = self._state(seq)
+            d.seq.tokens = list(seq.tokens)
+            need = self.alloc.blocks_for(len(seq.tokens) + k - 1) - len(d.seq.block_table)
+            if need > self.alloc.num_free:
+                continue
+            if need > 0:
+                d.seq.block_table += self.alloc.allocate(need)
+            rows.append((i, d, k))
+        if not rows:
+            return out
+        # One forward catches every row up and gives its first draft token.
+        plan = StepPlan([Row(d.seq, d.num_computed, len(d.seq.tokens) - d.num_computed, True) for _, d, _ in rows])
+        for step in range(max(k for _, _, k in rows)):
+            logits = self.runner.run(plan).sample
+            tokens = mx.argmax(logits.astype(mx.float32), axis=-1).tolist()
+            live = []
+            for (i, d, k), tok in zip([r for r in rows if len(out[r[0]]) < r[2]], tokens):
+                out[i].append(int(tok))
+                if len(out[i]) < k:  # it drafts on: the next forward feeds this token
+                    d.seq.tokens.append(int(tok))
+                    live.append(Row(d.seq, len(d.seq.tokens) - 1, 1, True))
+            for i, d, k in rows:
+                if step == 0:
+                    d.num_computed = len(wants[i][0].tokens)
+            plan = StepPlan(live)
+            if not live:
+                break
+        return out
+
+    def accepted(self, seq, old_len: int, drafted: int, accepted: int) -> None:
+        """After verification: the draft KV holds the target's tokens up to
+        ``old_len`` plus the accepted drafts it had fed (all but its last)."""
+        d = seq.data.spec.draft
+        if d is not None and drafted:
+            d.num_computed = old_len + min(accepted, drafted - 1)
+
+    def release(self, seq) -> None:
+        spec = getattr(seq.data, "spec", None)
+        d = spec.draft if spec is not None else None
+        if d is not None and d.seq.block_table:
+            self.alloc.free(d.seq.block_table)
+            d.seq.block_table = []
+            d.num_computed = 0
