@@ -453,3 +453,68 @@ def test_an_unfit_draft_model_is_refused(model, tok, make, words):
         Engine(model, tok, EngineConfig(num_blocks=16, spec_kind="model", draft_model=make(model)))
     with pytest.raises(ValueError, match="draft model"):
         Engine(model, tok, EngineConfig(num_blocks=16, spec_kind="model"))
+
+
+@pytest.mark.slow
+def test_structured_output_drafts_the_tokens_its_grammar_forces(default_model):
+    """A JSON schema's keys and punctuation are forced: they come as
+    accepted drafts, and the answer is the one decoding without
+    speculation gives (greedy and sampled), and it validates."""
+    import json
+
+    from mlxfast.server.grammar import GrammarCompiler
+
+    model, tok = default_model
+    compiler = GrammarCompiler(tok, model.args.vocab_size)
+    schema = {"type": "object", "properties": {"first_name": {"type": "string", "maxLength": 12},
+                                               "favourite_number": {"type": "integer"},
+                                               "likes_programming": {"type": "boolean"}},
+              "required": ["first_name", "favourite_number", "likes_programming"], "additionalProperties": False}
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}],
+                                             add_generation_prompt=True), add_special_tokens=False)
+
+    def reqs():
+        return [Request(ids, SamplingParams(max_tokens=60, temperature=0, logprobs=True,
+                                            grammar=compiler.json_schema(schema))),
+                Request(ids, SamplingParams(max_tokens=60, temperature=0.8, seed=3,
+                                            grammar=compiler.json_schema(schema)))]
+
+    plain, _ = run(model, tok, reqs(), spec=False, enable_prefix_cache=False)
+    spec, stats = run(model, tok, reqs(), enable_prefix_cache=False)
+    for (ptoks, ptext, pfin), (stoks, stext, sfin) in zip(plain, spec):
+        assert (stoks, stext, sfin.finish_reason) == (ptoks, ptext, pfin.finish_reason)
+        assert set(json.loads(stext)) == set(schema["properties"])
+        assert sfin.speculation["accepted"] == sfin.speculation["drafted"] > 5  # forced: always taken
+
+
+@pytest.mark.slow
+def test_forced_tokens_carry_their_own_logprobs(default_model):
+    import asyncio
+
+    from mlxfast.server.grammar import GrammarCompiler
+
+    model, tok = default_model
+    compiler = GrammarCompiler(tok, model.args.vocab_size)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "A JSON object, please."}],
+                                             add_generation_prompt=True), add_special_tokens=False)
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}},
+              "required": ["colour"], "additionalProperties": False}
+
+    async def events(eng):
+        req = Request(ids, SamplingParams(max_tokens=30, temperature=0, logprobs=True, top_logprobs=2,
+                                          grammar=compiler.json_schema(schema)))
+        return [(e.token_id, e.logprob, [t for t, _ in e.top_logprobs]) async for e in eng.submit(req)
+                if hasattr(e, "token_id")]
+
+    out = []
+    for spec in (False, True):
+        eng = engine(model, tok, spec, enable_prefix_cache=False)
+        try:
+            out.append(asyncio.run(events(eng)))
+            drafted = eng.stats()["spec_decode"]["num_accepted_tokens"]
+        finally:
+            eng.shutdown()
+    assert drafted > 0
+    assert [t for t, _, _ in out[1]] == [t for t, _, _ in out[0]]
+    for (_, lp0, top0), (_, lp1, top1) in zip(*out):
+        assert lp1 == pytest.approx(lp0, abs=2e-3) and top1 == top0

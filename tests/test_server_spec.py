@@ -62,6 +62,19 @@ def test_seeded_sampling_is_unchanged_by_speculation(server, server_b):
         assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
 
 
+def test_structured_output_is_unchanged_by_speculation(server, server_b):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    p = chat(server, "default", "Describe a person.", response_format=fmt)
+    s = chat(server_b, "smol", "Describe a person.", response_format=fmt)
+    assert s["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
+    assert set(json.loads(s["choices"][0]["message"]["content"])) == {"name", "age"}
+    spec = s["usage"]["speculation"]
+    assert spec["accepted"] == spec["drafted"] > 0  # the forced keys and punctuation
+
+
 def test_drafts_are_reported_in_the_stream_responses_stats_and_metrics(server_b):
     body = {"model": "smol", "messages": [{"role": "user", "content": COPY}], "max_tokens": 60, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}

@@ -28,6 +28,8 @@ import time
 import traceback
 from collections import deque
 
+import mlx.core as mx
+
 from ..kv.block_pool import BlockAllocator, KVPool, default_kv_dtype, kv_dtype
 from ..kv.schemes import parse_kv_quant
 from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent
@@ -427,7 +429,7 @@ class Engine:
         st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
         st.out = OutputProcessor(self.tokenizer, p.stop)
         if self.config.spec_kind and speculation_allowed(p):
-            st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max)
+            st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max, forced=p.grammar is not None)
         self.prompt_tokens_total += seq.prompt_len
         if seq.max_tokens <= 0 and not seq.score_prompt:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
@@ -535,17 +537,28 @@ class Engine:
         speculative sampling with a deterministic proposal (accept with p(d),
         else draw from the rest of p), so the output is the target's, token
         for token under a seed."""
-        states, ahead, names = [], [], []
-        for r in rows:
-            for j in range(1 + len(r.draft)):
+        states, ahead, names, at = [], [], [], []  # at: where each position's logits are
+        forced: dict[int, list[Sampled]] = {}  # a grammar row's drafts: the tokens it forces
+        i = 0
+        for k, r in enumerate(rows):
+            n = 1 + len(r.draft)
+            first = 0
+            if r.draft and r.seq.data.spec.forced:
+                forced[k] = self._forced(logits[i:i + len(r.draft)], r)
+                first = len(r.draft)  # only the position after them is sampled
+            for j in range(first, n):
                 states.append(r.seq.data.sampling)
                 ahead.append(j)
                 names.append(r.seq.request_id)
-        flat = self._sample(logits, states, ahead, names)
+                at.append(i + j)
+            i += n
+        if len(at) < i:
+            logits = logits[mx.array(at, dtype=mx.int32)]
+        flat = self._sample(logits, states, ahead, names) if at else []
         out, i = [], 0
-        for r in rows:
-            res = flat[i:i + 1 + len(r.draft)]
-            i += len(res)
+        for k, r in enumerate(rows):
+            res = forced.get(k, []) + flat[i:i + 1 + len(r.draft) - len(forced.get(k, []))]
+            i += 1 + len(r.draft) - len(forced.get(k, []))
             accepted = [res[0]]
             for j, d in enumerate(r.draft):
                 if res[j].error is not None or res[j].token != d:
@@ -557,6 +570,25 @@ class Engine:
                 self.spec_drafts += 1
                 self.spec_draft_tokens += len(r.draft)
                 self.spec_accepted_tokens += len(accepted) - 1
+        return out
+
+    def _forced(self, logits, row) -> list[Sampled]:
+        """A grammar row's drafted forced tokens as its results at those
+        positions (with their logprobs, where asked), consumed by its grammar
+        so the position after them samples from the advanced state."""
+        st = row.seq.data
+        p = st.request.params
+        out = [Sampled(t) for t in row.draft]
+        if p.logprobs or p.top_logprobs:
+            for res, sc in zip(out, score_tokens(logits, row.draft, p.top_logprobs)):
+                res.logprob = sc.logprob
+                res.top_logprobs = sc.top_logprobs if p.top_logprobs else None
+        matcher = st.sampling.matcher
+        try:
+            if not matcher.consume_tokens(list(row.draft)) or matcher.is_error():
+                raise ValueError(matcher.get_error() or "forced tokens rejected")
+        except Exception as e:  # noqa: BLE001  (this row's grammar)
+            out[0].error = f"grammar error: {type(e).__name__}: {e}"
         return out
 
     def _sample(self, logits, states, ahead, names) -> list[Sampled]:
@@ -599,5 +631,5 @@ class Engine:
             end("stop", stop_string=st.out.stop_string)
         elif u.finish_reason is not None:
             st.events.append(self._finish_event(seq, u.finish_reason, text=st.out.finish()))
-        elif st.sampling.matcher is not None and st.sampling.matcher.is_stopped():
-            end("stop", text=st.out.finish())
+        elif after == 0 and st.sampling.matcher is not None and st.sampling.matcher.is_stopped():
+            end("stop", text=st.out.finish())  # the grammar has consumed the step's last token

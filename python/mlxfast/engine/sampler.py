@@ -123,7 +123,8 @@ def sample(logits: mx.array, states: list[SamplingState], ahead: list[int] | Non
     request. ``ahead[r]`` > 0 samples the position that many tokens past the
     request's next one (verifying draft tokens): its noise is that position's,
     so it draws what decoding would draw there (the processing must not depend
-    on the tokens in between: ``spec.speculation_allowed``)."""
+    on the tokens in between: ``spec.speculation_allowed``; a grammar row samples
+    only the position after its forced tokens, its grammar advanced past them)."""
     R, V = logits.shape
     ahead = ahead or [0] * R
     ps = [s.params for s in states]

@@ -138,18 +138,21 @@ def select(candidates: list[tuple[float, int]], tokens: int, rows: int, sampled:
 
 
 def speculation_allowed(params) -> bool:
-    """Whether a request's sampling can verify drafts position by position
-    with one batched sampler call: every processing step must depend on the
-    position alone. Penalties read the tokens before each position and a
-    grammar advances with each token, so those requests decode plainly."""
+    """Whether a request can verify drafts position by position with one
+    batched sampler call: every processing step must depend on the position
+    alone. Penalties read the tokens before each position, so those requests
+    decode plainly. A grammar advances with each token: its requests draft
+    only the tokens the grammar forces (``RowSpec.forced``), which need no
+    sampling, and sample the position after them from the advanced grammar."""
     return (params.repetition_penalty == 1 and not params.presence_penalty
-            and not params.frequency_penalty and params.grammar is None)
+            and not params.frequency_penalty)
 
 
 class RowSpec:
     """One request's speculative decoding state."""
 
-    def __init__(self, n_min: int, n_max: int):
+    def __init__(self, n_min: int, n_max: int, forced: bool = False):
+        self.forced = forced  # a grammar row: its drafts are the tokens the grammar forces next
         self.proposer = NgramProposer(n_min, n_max)
         self.acceptance = Acceptance()
         self.draft = None  # its state in a draft model's pool (engine/draft.py)
@@ -183,14 +186,23 @@ class Drafter:
         if not live:
             return out
         specs = [seq.data.spec for _, seq, _ in live]
-        if self.draft_model is None:  # prompt lookup proposes for free: choose among its proposals
-            proposals = [sp.proposer.propose(seq.tokens, k) for sp, (_, seq, k) in zip(specs, live)]
-            take = select([(sp.acceptance.alpha, len(p)) for sp, p in zip(specs, proposals)],
-                          tokens, out_rows, sampled, self.cost)
+        forced = [sp.forced for sp in specs]
+        proposals: list[list[int]] = [[] for _ in live]
+        for j, (sp, (_, seq, k)) in enumerate(zip(specs, live)):
+            if sp.forced:  # free, and certain: the grammar allows nothing else
+                proposals[j] = list(seq.data.sampling.matcher.compute_ff_tokens())[:k]
+            elif self.draft_model is None:  # prompt lookup proposes for free
+                proposals[j] = sp.proposer.propose(seq.tokens, k)
+        if self.draft_model is None:  # choose among the proposals
+            take = select([(1.0 if f else sp.acceptance.alpha, len(p))
+                           for sp, f, p in zip(specs, forced, proposals)], tokens, out_rows, sampled, self.cost)
         else:  # a draft model's tokens cost a forward each: choose lengths first
-            take = select([(sp.acceptance.alpha, k) for sp, (_, _, k) in zip(specs, live)],
+            take = select([(1.0, len(p)) if f else (sp.acceptance.alpha, k)
+                           for sp, f, p, (_, _, k) in zip(specs, forced, proposals, live)],
                           tokens, out_rows, sampled, self.cost)
-            proposals = self.draft_model.propose([(seq, n) for (_, seq, _), n in zip(live, take)])
+            drafted = self.draft_model.propose([(seq, 0 if f else n)
+                                                for (_, seq, _), f, n in zip(live, forced, take)])
+            proposals = [p if f else d for p, f, d in zip(proposals, forced, drafted)]
         for sp, (i, _, _), p, n in zip(specs, live, proposals, take):
             out[i] = list(p[:n])
             if not out[i]:
