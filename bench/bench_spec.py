@@ -120,37 +120,6 @@ def json_grammar(model, tok):
     return compiler.json_schema(schema)
 
 
-def fp32_copy(gguf_path, out_dir):
-    """The GGUF model as an HF directory of float32 weights (``mlxfast
-    convert``, then every quantized tensor dequantized)."""
-    import json
-    from pathlib import Path
-
-    import mlx.core as mx
-
-    from mlxfast.convert import convert_gguf
-
-    out = Path(convert_gguf(gguf_path, out_dir))
-    config = json.loads((out / "config.json").read_text())
-    group = config.get("quantization", {}).get("group_size", 32)
-    weights = mx.load(str(out / "model.safetensors"))
-    dense = {}
-    for k, v in weights.items():
-        base = k.rsplit(".", 1)[0]
-        if (k.endswith(".scales") or k.endswith(".biases")) and base + ".scales" in weights:
-            continue
-        if k.endswith(".weight") and base + ".scales" in weights:
-            sc = weights[base + ".scales"]
-            bits = v.shape[-1] * 32 // (sc.shape[-1] * group)
-            v = mx.dequantize(v, sc, weights[base + ".biases"], group_size=group, bits=bits)
-        dense[k] = v.astype(mx.float32)
-    mx.save_safetensors(str(out / "model.safetensors"), dense, metadata={"format": "mlx"})
-    for key in ("quantization", "quantization_config"):
-        config.pop(key, None)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
 def measure(off, on, batch, args, label, c, grammar=None):
     """Alternating rounds off / on over ``batch``: one line of the table."""
     run(off, batch, 8, grammar), run(on, batch, 8, grammar)  # warm up (and fill the prefix cache alike)
@@ -172,11 +141,12 @@ def measure(off, on, batch, args, label, c, grammar=None):
 def draft_bench(args):
     import tempfile
 
+    from mlxfast.convert import convert_gguf
     from mlxfast.models.loader import default_model_path
 
     draft, _ = mlxfast.load()
-    with tempfile.TemporaryDirectory() as tmp:
-        target, tok = mlxfast.load(str(fp32_copy(default_model_path(), tmp)))
+    with tempfile.TemporaryDirectory() as tmp:  # `mlxfast convert --dequantize`
+        target, tok = mlxfast.load(str(convert_gguf(default_model_path(), tmp, dequantize=True)))
     cfg = dict(num_blocks=2048, max_num_seqs=16)
     off = Engine(target, tok, EngineConfig(**cfg)).start()
     on = Engine(target, tok, EngineConfig(spec_kind="model", draft_model=draft, num_draft_tokens=3, **cfg)).start()

@@ -518,3 +518,33 @@ def test_forced_tokens_carry_their_own_logprobs(default_model):
     assert [t for t, _, _ in out[1]] == [t for t, _, _ in out[0]]
     for (_, lp0, top0), (_, lp1, top1) in zip(*out):
         assert lp1 == pytest.approx(lp0, abs=2e-3) and top1 == top0
+
+
+@pytest.mark.slow
+def test_the_gguf_drafts_for_its_float32_copy(default_model, tmp_path):
+    """The issue's draft pairing: target = the default model dequantized to
+    float32 (``mlxfast convert --dequantize``), draft = the Q4_1 GGUF. The
+    copy computes what the GGUF does, and its drafts are nearly all taken
+    without changing a token."""
+    import mlxfast
+    from mlxfast.convert import convert_gguf
+    from mlxfast.kv import DenseKVCache
+    from mlxfast.models.loader import default_model_path
+
+    draft, tok = default_model
+    target, ttok = mlxfast.load(str(convert_gguf(default_model_path(), tmp_path / "fp32", dequantize=True)))
+    assert ttok.vocab_size == tok.vocab_size
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": ASKS[1]}], add_generation_prompt=True),
+                     add_special_tokens=False)
+    a = target(mx.array([ids]), DenseKVCache(len(target.layers)))[0].astype(mx.float32)
+    b = draft(mx.array([ids]), DenseKVCache(len(draft.layers)))[0].astype(mx.float32)
+    assert mx.abs(a - b).max().item() < 0.05 * mx.abs(b).max().item()
+    reqs = [Request(ids_for, SamplingParams(max_tokens=40, temperature=0)) for ids_for in (
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+                   add_special_tokens=False) for q in ASKS[:4])]
+    cfg = dict(num_blocks=512, max_num_batched_tokens=256, enable_prefix_cache=False)
+    plain, _ = run(target, tok, reqs, spec=False, **cfg)
+    spec, stats = run(target, tok, reqs, spec_kind="model", draft_model=draft, num_draft_tokens=3, **cfg)
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    s = stats["spec_decode"]
+    assert s["num_accepted_tokens"] > 0.8 * s["num_draft_tokens"] > 0

@@ -35,10 +35,11 @@ def _convert(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mlxfast convert", description="Convert a GGUF file to an HF/MLX directory.")
     p.add_argument("gguf")
     p.add_argument("out_dir")
+    p.add_argument("--dequantize", action="store_true", help="write every quantized tensor as float32")
     args = p.parse_args(argv)
     from .convert import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out_dir)
+    out = convert_gguf(args.gguf, args.out_dir, dequantize=args.dequantize)
     print(f"wrote {out}")
     return 0
 

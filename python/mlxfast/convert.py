@@ -11,7 +11,9 @@ import mlx.core as mx
 from .models import gguf
 
 
-def convert_gguf(src: str | Path, out_dir: str | Path) -> Path:
+def convert_gguf(src: str | Path, out_dir: str | Path, dequantize: bool = False) -> Path:
+    """With ``dequantize``, every quantized tensor is written as float32 (a
+    full-precision copy: e.g. the target for a draft model that is the GGUF)."""
     from .text.tokenizer import Tokenizer
 
     src, out = Path(src), Path(out_dir)
@@ -21,7 +23,9 @@ def convert_gguf(src: str | Path, out_dir: str | Path) -> Path:
     config = gguf.gguf_config(meta)
     weights, quantization = gguf.hf_weights(tensors, config)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    if quantization:
+    if quantization and dequantize:
+        weights = _dequantized(weights, quantization["group_size"])
+    elif quantization:
         config["quantization"] = quantization
         config["quantization_config"] = quantization
     config["bos_token_id"] = tokenizer.bos_token_id
@@ -34,4 +38,21 @@ def convert_gguf(src: str | Path, out_dir: str | Path) -> Path:
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_hf(out)
+    return out
+
+
+def _dequantized(weights: dict, group_size: int) -> dict:
+    """Affine-quantized ``x.weight`` / ``x.scales`` / ``x.biases`` triples as
+    float32 ``x.weight`` (bits from the packed shape); the rest in float32."""
+    out = {}
+    for k, v in weights.items():
+        base = k.rsplit(".", 1)[0]
+        if (k.endswith(".scales") or k.endswith(".biases")) and base + ".weight" in weights \
+                and base + ".scales" in weights:
+            continue
+        if k.endswith(".weight") and base + ".scales" in weights:
+            scales = weights[base + ".scales"]
+            bits = v.shape[-1] * 32 // (scales.shape[-1] * group_size)
+            v = mx.dequantize(v, scales, weights[base + ".biases"], group_size=group_size, bits=bits)
+        out[k] = v.astype(mx.float32)
     return out
