@@ -333,6 +333,19 @@ def test_step_cost_fits_measured_steps():
     assert c.per_draft_token == pytest.approx(0.0014, rel=0.05)
 
 
+def test_step_cost_stays_sane_over_long_decode_only_stretches():
+    """Decode steps have as many tokens as output rows: one direction of the
+    fit is never observed, and forgetting must not blow it up."""
+    c = StepCost()
+    rng = random.Random(1)
+    for _ in range(40000):
+        n = rng.choice([1, 1, 2, 4])  # a row and its drafts: tokens == rows
+        c.observe(n, n, 0.006 + 0.0007 * n + rng.gauss(0, 2e-4))
+    assert np.isfinite(c.theta).all() and np.trace(c.P) <= np.trace(c.P0) * 1.0001
+    assert c.seconds(1, 1) == pytest.approx(0.0067, rel=0.1)
+    assert c.per_draft_token == pytest.approx(0.0007, rel=0.2)
+
+
 def test_select_takes_draft_tokens_only_while_they_pay():
     c = StepCost(base=6e-3, per_token=2e-4, per_row=3e-4)  # a draft token: 0.5 ms
     # one stream, 6.5 ms a step: a token accepted half the time pays; one in twenty does not
@@ -444,6 +457,30 @@ def test_draft_model_with_preemption_and_max_tokens(model, tok, reference, verif
     assert [toks for toks, _, _ in res] == [reference[3][:m] for m in range(1, 13)]
 
 
+def test_a_draft_model_catches_up_on_a_long_prompt_over_several_steps(model, tok, verify_all):
+    long = [(5 * j) % 90 + 5 for j in range(150)]
+    kw = dict(spec_kind="model", draft_model=half_copy(model), num_draft_tokens=4,
+              max_num_batched_tokens=32, num_blocks=256)
+    plain, _ = run(model, tok, [Request(long, greedy(30, ignore_eos=True))], spec=False, **{
+        k: v for k, v in kw.items() if k in ("max_num_batched_tokens", "num_blocks")})
+    eng = engine(model, tok, **kw)
+    try:
+        seen = []
+        real = eng.drafter.draft_model.runner.run
+
+        def spy(plan):
+            seen.append(plan.num_tokens)
+            return real(plan)
+
+        eng.drafter.draft_model.runner.run = spy
+        (toks, _, fin), = run_requests(eng, [Request(long, greedy(30, ignore_eos=True))])
+    finally:
+        eng.shutdown()
+    assert toks == plain[0][0]
+    assert max(seen) <= 32 + 4  # a chunk of the step budget (plus a row's drafts), never the whole prompt
+    assert fin.speculation["accepted"] > 0
+
+
 @pytest.mark.parametrize("make,words", [
     (lambda m: tiny_model(5, vocab=VOCAB + 3, layers=1), "vocabulary"),
     (lambda m: tiny_model(5, vocab=VOCAB), "not smaller"),
@@ -485,6 +522,35 @@ def test_structured_output_drafts_the_tokens_its_grammar_forces(default_model):
         assert (stoks, stext, sfin.finish_reason) == (ptoks, ptext, pfin.finish_reason)
         assert set(json.loads(stext)) == set(schema["properties"])
         assert sfin.speculation["accepted"] == sfin.speculation["drafted"] > 5  # forced: always taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schema", [{"type": "object", "properties": {"is_ok": {"type": "boolean"}},
+                                     "required": ["is_ok"], "additionalProperties": False},
+                                    {"enum": ["alpha", "beta"]}])
+def test_a_grammar_that_ends_in_its_forced_tokens_ends_there(default_model, schema):
+    """The forced run closes the answer (``}``, the rest of an enum value):
+    no token is sampled after it, as without speculation, even with
+    ignore_eos (an end-of-turn token would break the JSON)."""
+    import json
+
+    from mlxfast.server.grammar import GrammarCompiler
+
+    model, tok = default_model
+    compiler = GrammarCompiler(tok, model.args.vocab_size)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Answer in JSON."}],
+                                             add_generation_prompt=True), add_special_tokens=False)
+    for ignore_eos in (False, True):
+        def req():
+            return [Request(ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=ignore_eos,
+                                                grammar=compiler.json_schema(schema)))]
+
+        (ptoks, ptext, pfin), = run(model, tok, req(), spec=False, enable_prefix_cache=False)[0]
+        (stoks, stext, sfin), = run(model, tok, req(), enable_prefix_cache=False)[0]
+        assert (stoks, stext, sfin.finish_reason, sfin.stop_token_id, sfin.completion_tokens) == (
+            ptoks, ptext, pfin.finish_reason, pfin.stop_token_id, pfin.completion_tokens)
+        json.loads(stext)
+        assert sfin.speculation["drafted"] > 0
 
 
 @pytest.mark.slow

@@ -33,8 +33,13 @@ class _DraftSeq:
 
 
 class DraftModel:
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype, native: bool | None = None):
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype, native: bool | None = None,
+                 max_catchup: int = 512):
         args = model.args
+        # Tokens a step's catch-up forward may take (the target's step budget):
+        # a row with more to catch up (a long prompt) does so over several
+        # steps, drafting once it has.
+        self.max_catchup = max_catchup
         self.model = model
         self.pool = KVPool(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads,
                            args.head_dim, kv_dtype)
@@ -53,21 +58,31 @@ class DraftModel:
         pool has no room for gets none."""
         out: list[list[int]] = [[] for _ in wants]
         rows = []  # (index into wants, draft seq, k)
+        behind = []  # rows catching up on a long context: a chunk this step, no drafts yet
+        budget = self.max_catchup
         for i, (seq, k) in enumerate(wants):
             if k <= 0:
                 continue
             d = self._state(seq)
             d.seq.tokens = list(seq.tokens)
-            need = self.alloc.blocks_for(len(seq.tokens) + k - 1) - len(d.seq.block_table)
-            if need > self.alloc.num_free:
+            gap = len(seq.tokens) - d.num_computed
+            if gap > budget:
+                if budget > 0 and self._room(d, d.num_computed + budget):
+                    behind.append(Row(d.seq, d.num_computed, budget, False))
+                    d.num_computed += budget
+                budget = 0
                 continue
-            if need > 0:
-                d.seq.block_table += self.alloc.allocate(need)
+            if not self._room(d, len(seq.tokens) + k - 1):
+                continue
+            budget -= gap
             rows.append((i, d, k))
         if not rows:
+            if behind:
+                self.runner.run(StepPlan(behind))
             return out
         # One forward catches every row up and gives its first draft token.
-        plan = StepPlan([Row(d.seq, d.num_computed, len(d.seq.tokens) - d.num_computed, True) for _, d, _ in rows])
+        plan = StepPlan(behind + [Row(d.seq, d.num_computed, len(d.seq.tokens) - d.num_computed, True)
+                                  for _, d, _ in rows])
         for step in range(max(k for _, _, k in rows)):
             logits = self.runner.run(plan).sample
             tokens = mx.argmax(logits.astype(mx.float32), axis=-1).tolist()
@@ -84,6 +99,15 @@ class DraftModel:
             if not live:
                 break
         return out
+
+    def _room(self, d: _DraftSeq, positions: int) -> bool:
+        """Blocks in the draft pool for ``positions`` positions of the row (False: none free)."""
+        need = self.alloc.blocks_for(positions) - len(d.seq.block_table)
+        if need > self.alloc.num_free:
+            return False
+        if need > 0:
+            d.seq.block_table += self.alloc.allocate(need)
+        return True
 
     def accepted(self, seq, old_len: int, drafted: int, accepted: int) -> None:
         """After verification: the draft KV holds the target's tokens up to

@@ -328,7 +328,8 @@ class Engine:
                     from .draft import DraftModel
 
                     draft = DraftModel(self.config.draft_model, self.num_blocks, self.block_size,
-                                       self.kv_dtype, native=self.config.native_attention)
+                                       self.kv_dtype, native=self.config.native_attention,
+                                       max_catchup=self.config.max_num_batched_tokens)
                 self.drafter = self.scheduler.drafter = Drafter(self.config.num_draft_tokens, draft)
             if self.config.ssd_cache_dir:
                 from ..kv.ssd import open_tier
@@ -508,6 +509,9 @@ class Engine:
                     self._emit(seq, st, u, by_seq[seq][u.k], after=len(seq_updates) - 1 - u.k)
                 except Exception as e:  # noqa: BLE001  (this request's output processing)
                     log.exception("request %s failed in output processing", seq.request_id)
+                    after = len(seq_updates) - 1 - u.k
+                    if after:
+                        del seq.tokens[-after:]
                     sched.finish(seq, "error")
                     st.events.append(self._finish_event(seq, "error", error=f"{type(e).__name__}: {e}"))
                 if st.events and isinstance(st.events[-1], FinishEvent):
@@ -539,37 +543,45 @@ class Engine:
         for token under a seed."""
         states, ahead, names, at = [], [], [], []  # at: where each position's logits are
         forced: dict[int, list[Sampled]] = {}  # a grammar row's drafts: the tokens it forces
+        counts = []  # positions sampled per row
         i = 0
         for k, r in enumerate(rows):
             n = 1 + len(r.draft)
             first = 0
             if r.draft and r.seq.data.spec.forced:
                 forced[k] = self._forced(logits[i:i + len(r.draft)], r)
-                first = len(r.draft)  # only the position after them is sampled
+                first = len(r.draft)  # only the position after them is sampled ...
+                if forced[k][0].error is None and r.seq.data.sampling.matcher.is_stopped():
+                    first = n  # ... unless the forced tokens end the grammar: the answer ends there
             for j in range(first, n):
                 states.append(r.seq.data.sampling)
                 ahead.append(j)
                 names.append(r.seq.request_id)
                 at.append(i + j)
+            counts.append(n - first)
             i += n
         if len(at) < i:
             logits = logits[mx.array(at, dtype=mx.int32)]
         flat = self._sample(logits, states, ahead, names) if at else []
         out, i = [], 0
         for k, r in enumerate(rows):
-            res = forced.get(k, []) + flat[i:i + 1 + len(r.draft) - len(forced.get(k, []))]
-            i += 1 + len(r.draft) - len(forced.get(k, []))
-            accepted = [res[0]]
-            for j, d in enumerate(r.draft):
-                if res[j].error is not None or res[j].token != d:
-                    break
-                accepted.append(res[j + 1])
+            res = forced.get(k, []) + flat[i:i + counts[k]]
+            i += counts[k]
+            if len(res) == len(r.draft):  # the grammar ended with its forced tokens: no token after them
+                accepted, n_acc = res, len(res)
+            else:
+                accepted = [res[0]]
+                for j, d in enumerate(r.draft):
+                    if res[j].error is not None or res[j].token != d:
+                        break
+                    accepted.append(res[j + 1])
+                n_acc = len(accepted) - 1
             out.append(accepted)
             if r.draft:
-                self.drafter.verified(r.seq, r.start + r.n, len(r.draft), len(accepted) - 1)
+                self.drafter.verified(r.seq, r.start + r.n, len(r.draft), n_acc)
                 self.spec_drafts += 1
                 self.spec_draft_tokens += len(r.draft)
-                self.spec_accepted_tokens += len(accepted) - 1
+                self.spec_accepted_tokens += n_acc
         return out
 
     def _forced(self, logits, row) -> list[Sampled]:
@@ -614,8 +626,9 @@ class Engine:
         sched = self.scheduler
 
         def end(reason, **kw):
-            if after:
+            if after:  # the step's tokens after this one are dropped (a stop token among them too)
                 del seq.tokens[-after:]
+                seq.stop_token_id = None
             sched.finish(seq, reason)
             st.events.append(self._finish_event(seq, reason, **kw))
 

@@ -95,8 +95,9 @@ class StepCost:
         import numpy as np
 
         self._np = np
-        self.theta = np.array([base, per_token, per_row]) * 1e3
-        self.P = np.diag([25.0, 0.25, 0.25])  # prior variance (ms^2)
+        self.prior = np.array([base, per_token, per_row]) * 1e3
+        self.P0 = np.diag([25.0, 0.25, 0.25])  # prior variance (ms^2)
+        self.theta, self.P = self.prior.copy(), self.P0.copy()
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
         np = self._np
@@ -105,9 +106,17 @@ class StepCost:
         gain = Px / (self.FORGET + x @ Px)
         self.theta = self.theta + gain * (seconds * 1e3 - x @ self.theta)
         self.P = (self.P - np.outer(gain, Px)) / self.FORGET
+        # Decode steps have as many tokens as output rows, so one direction is
+        # never observed and forgetting would grow its variance without bound:
+        # keep the covariance within the prior's (and start over on a blow-up).
+        trace = np.trace(self.P)
+        if not (np.isfinite(trace) and np.isfinite(self.theta).all()):
+            self.theta, self.P = self.prior.copy(), self.P0.copy()
+        elif trace > np.trace(self.P0):
+            self.P *= np.trace(self.P0) / trace
 
     def seconds(self, tokens: int, rows: int) -> float:
-        return float(self.theta @ (1.0, tokens, rows)) * 1e-3
+        return max(1e-6, float(self.theta @ (1.0, tokens, rows)) * 1e-3)
 
     @property
     def per_draft_token(self) -> float:
