@@ -40,12 +40,10 @@ class DraftModel:
         # a row with more to catch up (a long prompt) does so over several
         # steps, drafting once it has.
         self.max_catchup = max_catchup
-        self.model = model
         self.pool = KVPool(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads,
                            args.head_dim, kv_dtype)
         self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_cache=False)
         self.runner = Runner(model, self.pool, native=native)
-        self.block_size = block_size
 
     def _state(self, seq) -> _DraftSeq:
         spec = seq.data.spec
@@ -83,21 +81,19 @@ class DraftModel:
         # One forward catches every row up and gives its first draft token.
         plan = StepPlan(behind + [Row(d.seq, d.num_computed, len(d.seq.tokens) - d.num_computed, True)
                                   for _, d, _ in rows])
-        for step in range(max(k for _, _, k in rows)):
-            logits = self.runner.run(plan).sample
-            tokens = mx.argmax(logits.astype(mx.float32), axis=-1).tolist()
-            live = []
-            for (i, d, k), tok in zip([r for r in rows if len(out[r[0]]) < r[2]], tokens):
+        for _, d, _ in rows:
+            d.num_computed = len(d.seq.tokens)
+        drafting = rows  # in the order of the plan's sampled rows
+        while drafting:
+            tokens = mx.argmax(self.runner.run(plan).sample.astype(mx.float32), axis=-1).tolist()
+            more, live = [], []
+            for (i, d, k), tok in zip(drafting, tokens):
                 out[i].append(int(tok))
                 if len(out[i]) < k:  # it drafts on: the next forward feeds this token
                     d.seq.tokens.append(int(tok))
                     live.append(Row(d.seq, len(d.seq.tokens) - 1, 1, True))
-            for i, d, k in rows:
-                if step == 0:
-                    d.num_computed = len(wants[i][0].tokens)
-            plan = StepPlan(live)
-            if not live:
-                break
+                    more.append((i, d, k))
+            drafting, plan = more, StepPlan(live)
         return out
 
     def _room(self, d: _DraftSeq, positions: int) -> bool:

@@ -184,7 +184,7 @@ class Engine:
         if cfg.spec_kind:
             RowSpec(cfg.ngram_min, cfg.ngram_max)  # checks the n range now
         if cfg.draft_model is not None:
-            check_draft_model(cfg.draft_model, model, tokenizer)
+            check_draft_model(cfg.draft_model, model)
         self.drafter = None  # made on the engine thread (a draft model allocates its pool there)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -228,19 +228,16 @@ class Drafter:
             self.draft_model.release(seq)
 
 
-def check_draft_model(draft, target, tokenizer) -> None:
+def check_draft_model(draft, target) -> None:
     """A ValueError naming the problem unless ``draft`` can draft for
     ``target``: the same vocabulary size, and smaller."""
+    from mlx.utils import tree_flatten
+
     dv, tv = draft.args.vocab_size, target.args.vocab_size
     if dv != tv:
         raise ValueError(f"the draft model's vocabulary ({dv} tokens) differs from the target's ({tv}): "
                          "a draft model must share the target's tokenizer")
-
-    def size(m) -> int:
-        from mlx.utils import tree_flatten
-
-        return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
-
-    if size(draft) >= size(target):
-        raise ValueError(f"the draft model ({size(draft) / 1e6:.0f} MB) is not smaller than the target "
-                         f"({size(target) / 1e6:.0f} MB): drafting with it cannot pay")
+    ds, ts = (sum(v.nbytes for _, v in tree_flatten(m.parameters())) for m in (draft, target))
+    if ds >= ts:
+        raise ValueError(f"the draft model ({ds / 1e6:.0f} MB) is not smaller than the target "
+                         f"({ts / 1e6:.0f} MB): drafting with it cannot pay")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..text.tool_calls import ToolCallArgs, ToolCallEnd, ToolCallStart
 
-__all__ = ["ContentDelta", "ReasoningDelta", "ToolCallStart", "ToolCallArgs", "ToolCallEnd", "TOOL_EVENTS"]
+__all__ = ["ContentDelta", "ReasoningDelta", "ToolCallStart", "ToolCallArgs", "ToolCallEnd"]
 
 
 @dataclass
@@ -19,6 +19,6 @@ class ReasoningDelta:
     text: str
 
 
-# ToolCallStart(index, name), ToolCallArgs(index, text): the next piece of
-# the arguments' JSON as the model writes it, ToolCallEnd(index).
-TOOL_EVENTS = (ToolCallStart, ToolCallArgs, ToolCallEnd)
+# And the tool-call events of text/tool_calls.py: ToolCallStart(index, name),
+# ToolCallArgs(index, text) (the next piece of the arguments' JSON as the
+# model writes it), ToolCallEnd(index).

@@ -72,7 +72,6 @@ class ToolCall:
 
 Event = Union[Text, ToolCallStart, ToolCallArgs, ToolCallEnd]
 
-_DECODER = json.JSONDecoder()
 _SEPARATORS = " \t\r\n;,"
 _WS = " \t\r\n"
 # A call's head ({"name": "...", "arguments": ) is short; past this many
@@ -82,18 +81,13 @@ _HEAD_LIMIT = 4096
 
 class _JsonScanner:
     """Reads JSON text as it grows in a caller's buffer, tracking strings
-    (with escapes) and brace/bracket nesting, to tell where a value ends and
-    whether a marker stands outside any JSON value."""
+    (with escapes) and brace/bracket nesting, to tell where a value ends."""
 
     def __init__(self, start: int = 0, depth: int = 0):
         self.pos = start  # how far into the caller's buffer it has read
         self.depth = depth
         self.in_string = False
         self.escaped = False
-
-    @property
-    def outside(self) -> bool:
-        return self.depth == 0 and not self.in_string
 
     def _step(self, c: str) -> bool:
         """Take one character; True when it closes a top-level value."""
@@ -129,19 +123,6 @@ class _JsonScanner:
             self.pos += 1
             if self._step(c):
                 return self.pos
-        return -1
-
-    def find_outside(self, buf: str, marker: str) -> int:
-        """Read on through ``buf`` to ``marker`` outside JSON values: its index,
-        or -1 (then ``pos`` stops before a tail that may still become it)."""
-        while self.pos < len(buf):
-            if self.outside and buf[self.pos] == marker[0]:
-                if buf.startswith(marker, self.pos):
-                    return self.pos
-                if marker.startswith(buf[self.pos:]):
-                    return -1
-            self._step(buf[self.pos])
-            self.pos += 1
         return -1
 
 
@@ -328,29 +309,6 @@ class _CallObject:
             return []
         self.unfinished = self._state != "tail"
         return [ToolCallEnd(self.index)]
-
-
-def _parse_json_sequence(body: str, arg_keys=("arguments", "parameters")) -> list[ToolCall] | None:
-    """Calls from one or more JSON values (objects or arrays of objects)
-    separated by whitespace, ``;`` or ``,``; None unless the whole body parses."""
-    calls: list[ToolCall] = []
-    i, n = 0, len(body)
-    while True:
-        while i < n and body[i] in _SEPARATORS:
-            i += 1
-        if i >= n:
-            break
-        try:
-            obj, i = _DECODER.raw_decode(body, i)
-        except json.JSONDecodeError:
-            return None
-        items = obj if isinstance(obj, list) else [obj]
-        for item in items:
-            call = _call_from_obj(item, arg_keys)
-            if call is None:
-                return None
-            calls.append(call)
-    return calls or None
 
 
 def _merge(events: Iterable) -> list:
