@@ -397,32 +397,22 @@ def check_streamed(events):
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 @pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
-def test_agents_sdk_chat_completions_forced_tool(server, served, tool_choice, streamed):
-    from agents import OpenAIChatCompletionsModel
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_agents_sdk_forced_tool(server, served, api, tool_choice, streamed):
+    """The Agents SDK's chat-completions model and its default model (POST /v1/responses)."""
+    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
 
-    result, calls, events = run_agent(server, served, OpenAIChatCompletionsModel, tool_choice, streamed)
+    model_cls = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+    result, calls, events = run_agent(server, served, model_cls, tool_choice, streamed)
     check_agent_run(result, calls)
     if streamed:
         check_streamed(events)
-    (item,) = [i for i in result.new_items if i.type == "tool_call_item"]
-    assert item.raw_item.name == "get_weather"
-    assert json.loads(item.raw_item.arguments) == {"city": calls[0]}
-
-
-@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
-@pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
-def test_agents_sdk_responses_forced_tool(server, served, tool_choice, streamed):
-    """The Agents SDK's default model: POST /v1/responses."""
-    from agents import OpenAIResponsesModel
-
-    result, calls, events = run_agent(server, served, OpenAIResponsesModel, tool_choice, streamed)
-    check_agent_run(result, calls)
-    if streamed:
-        check_streamed(events)
+    if streamed and api == "responses":
         deltas = [e.data for e in events if e.type == "raw_response_event"
                   and e.data.type == "response.function_call_arguments.delta"]
         assert json.loads("".join(d.delta for d in deltas)) == {"city": calls[0]}
     (item,) = [i for i in result.new_items if i.type == "tool_call_item"]
-    assert item.raw_item.type == "function_call" and item.raw_item.name == "get_weather"
-    assert item.raw_item.call_id
+    assert item.raw_item.name == "get_weather"
+    if api == "responses":
+        assert item.raw_item.type == "function_call" and item.raw_item.call_id
     assert json.loads(item.raw_item.arguments) == {"city": calls[0]}
