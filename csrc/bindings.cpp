@@ -54,6 +54,10 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none());
   m.def("silu_mul", &mlxfast::silu_mul, "gate"_a, "up"_a, nb::kw_only(),
         "stream"_a = nb::none());
+  m.def("gelu_mul_halves", &mlxfast::gelu_mul_halves, "gate_up"_a, nb::kw_only(),
+        "stream"_a = nb::none());
+  m.def("gelu_mul", &mlxfast::gelu_mul, "gate"_a, "up"_a, nb::kw_only(),
+        "stream"_a = nb::none());
   // Fused pieces (see ops/quantized_matmul.h): norm (weight) + eps, act, residual.
   m.def("dense_matmul",
         [](const mx::array& x, const mx::array& w, std::optional<mx::array> norm, float eps,

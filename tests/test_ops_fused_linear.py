@@ -11,14 +11,18 @@ Oracles:
   - float32 math on x' (dequantized W, fp32 product and add): the error is
     a few ulps of x' (the references round their prologue differently:
     ``silu_mul_reference`` rounds the sigmoid to the dtype first,
+    ``gelu_mul_reference`` rounds every op in the dtype as mlx-lm does,
     ``mx.fast.rms_norm`` sums in another order), the product's rounding and
     the residual add's. TOL: fp32 5e-6, fp16 2e-3, bf16 1.6e-2 (measured
-    worst here: 4e-7, 5e-4, 3.4e-3);
+    worst here: 4e-7, 5e-4, 3.4e-3; with gelu 4.6e-7, 5.1e-4, 3.2e-3);
   - the public ``*_reference`` composition: the same for dense weights, but
     ``mx.quantized_matmul`` in fp16/bf16 does not compute in float32 (alone
     it is off by up to ~1.3e-3 / 1.2e-2 of the scale on these shapes), so
     REF_TOL: fp32 5e-6, fp16 1e-2, bf16 6e-2 (measured worst: 4e-7, 5.4e-3,
-    3.2e-2).
+    3.2e-2; with gelu 4.6e-7, 3.5e-3, 1.9e-2).
+
+The fused activations are every name in ``ops._ACTS`` (``silu_mul_halves``,
+``gelu_mul_halves``); each variant below runs with each.
 
 The model tests at the end run the models as they ran before fusion (the
 layers' fused pieces as separate ops) next to the fused ones: the default
@@ -42,7 +46,14 @@ REF_TOL = {mx.float32: 5e-6, mx.float16: 1e-2, mx.bfloat16: 6e-2}
 # (bits, group_size); bits 0 = dense weights in x's dtype.
 KINDS = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128), (0, 0)]
 EPS = 1e-5
-VARIANTS = ["norm", "act", "residual", "norm+residual", "act+residual"]
+# "silu" / "gelu": act="silu_mul_halves" / "gelu_mul_halves".
+VARIANTS = ["norm", "silu", "gelu", "residual", "norm+residual", "silu+residual", "gelu+residual"]
+# The separate native ops the fused act= names stand for (the unfused oracle).
+ACT_OPS = {"silu_mul_halves": ops.silu_mul_halves, "gelu_mul_halves": ops.gelu_mul_halves}
+
+
+def act_of(variant):
+    return next((f"{a}_mul_halves" for a in ("silu", "gelu") if a in variant), None)
 
 
 
@@ -74,7 +85,7 @@ class Proj:
         if norm is not None:
             x = ops.rms_norm(x, norm[0], norm[1])
         if act is not None:
-            x = ops.silu_mul_halves(x)
+            x = ACT_OPS[act](x)
         y = self.fused(x)
         return y if residual is None else residual + y
 
@@ -89,13 +100,14 @@ def make_case(variant, M, N, K, dtype, lead=None, seed=1):
     """x (with 2K features for act), and the fused keyword arguments."""
     mx.random.seed(seed)
     lead = (M,) if lead is None else lead
-    kin = 2 * K if "act" in variant else K
+    act = act_of(variant)
+    kin = 2 * K if act else K
     x = (mx.random.normal((*lead, kin)) * 2).astype(dtype)
     kw = {}
     if "norm" in variant:
         kw["norm"] = ((1 + 0.5 * mx.random.normal((K,))).astype(dtype), EPS)
-    if "act" in variant:
-        kw["act"] = "silu_mul_halves"
+    if act:
+        kw["act"] = act
     if "residual" in variant:
         kw["residual"] = mx.random.normal((*lead, N)).astype(dtype)
     return x, kw
@@ -184,7 +196,7 @@ def test_dense_weight_dtype_promotion(xdtype, wdtype, variant):
     if "norm" in kw:
         xp = ops.rms_norm(x, *kw["norm"])
     if "act" in kw:
-        xp = ops.silu_mul_halves(x)
+        xp = ACT_OPS[kw["act"]](x)
     want = ops.dense_matmul(xp, w)
     if "residual" in kw:
         want = kw["residual"] + want
@@ -207,9 +219,11 @@ def test_one_primitive_per_fused_projection():
     norm = (mx.ones((64,)), EPS)
     mx.eval(x, r, x64, norm[0])
     assert _primitives(proj.fused(x, act="silu_mul_halves", residual=r)) == ["MlxfastQuantizedMatmul"]
+    assert _primitives(proj.fused(x, act="gelu_mul_halves", residual=r)) == ["MlxfastQuantizedMatmul"]
     assert _primitives(proj.fused(x64, norm=norm, residual=r)) == ["MlxfastQuantizedMatmul"]
     dense = Proj(0, 0, 32, 64, mx.float32)
     assert _primitives(dense.fused(x64, norm=norm, residual=r)) == ["MlxfastDenseMatmul"]
+    assert _primitives(dense.fused(x, act="gelu_mul_halves", residual=r)) == ["MlxfastDenseMatmul"]
 
 
 def test_equal_nodes_differ_by_fusion():
@@ -226,6 +240,16 @@ def test_equal_nodes_differ_by_fusion():
     for g, w in zip(got, want):
         assert mx.array_equal(g, w).item()
     assert not mx.array_equal(want[0], want[1]).item()
+    for p in (proj, Proj(0, 0, 32, 64, mx.float32)):  # silu vs gelu prologue on the same x
+        x2 = mx.random.normal((2, 128))
+
+        def g(x):
+            return p.fused(x, act="silu_mul_halves"), p.fused(x, act="gelu_mul_halves")
+
+        got, want = mx.compile(g)(x2), g(x2)
+        for a, b in zip(got, want):
+            assert mx.array_equal(a, b).item()
+        assert not mx.array_equal(want[0], want[1]).item()
 
 
 def test_empty_inputs():
@@ -265,8 +289,9 @@ def test_rejects_bad_norm(proj, backend):
     x = mx.zeros((3, 64))
     with pytest.raises(ValueError, match="norm must be a \\(weight, eps\\) pair"):
         proj.fused(x, norm=mx.ones((64,)))
-    with pytest.raises(ValueError, match="norm and act cannot both"):
-        proj.fused(mx.zeros((3, 128)), norm=(mx.ones((128,)), EPS), act="silu_mul_halves")
+    for act in ACT_OPS:
+        with pytest.raises(ValueError, match="norm and act cannot both"):
+            proj.fused(mx.zeros((3, 128)), norm=(mx.ones((128,)), EPS), act=act)
     if backend == "native":  # the references raise MLX's own errors for these
         with pytest.raises(ValueError, match="norm weight must be \\[D\\]"):
             proj.fused(x, norm=(mx.ones((63,)), EPS))
@@ -278,14 +303,66 @@ def test_rejects_bad_norm(proj, backend):
             proj.fused(x, norm=(mx.ones((64,)), -1.0))
 
 
+BAD_ACT = r"act must be one of 'silu_mul_halves', 'gelu_mul_halves' \(or [Nn]one\), got"
+
+
 def test_rejects_bad_act(proj, backend):
-    with pytest.raises(ValueError, match="act must be 'silu_mul_halves'"):
-        proj.fused(mx.zeros((3, 128)), act="gelu")
+    for bad in ("gelu", "silu", "gelu_mul", "GELU_MUL_HALVES", 3):
+        with pytest.raises(ValueError, match=BAD_ACT):
+            proj.fused(mx.zeros((3, 128)), act=bad)
     if backend == "native":
-        with pytest.raises(ValueError, match="even last axis"):
-            proj.fused(mx.zeros((3, 129)), act="silu_mul_halves")
-        with pytest.raises(ValueError, match="shape mismatch|multiple of group_size"):
-            proj.fused(mx.zeros((3, 64)), act="silu_mul_halves")  # K = 32 after act, w has 64
+        for act in ACT_OPS:
+            with pytest.raises(ValueError, match=f"act='{act}' needs an even last axis"):
+                proj.fused(mx.zeros((3, 129)), act=act)
+            with pytest.raises(ValueError, match="shape mismatch|multiple of group_size"):
+                proj.fused(mx.zeros((3, 64)), act=act)  # K = 32 after act, w has 64
+
+
+def test_native_and_python_agree_on_act_names():
+    """The Python list of fused activations (``ops._ACTS``) and the native
+    rule (``gated_act_from_halves_name``) accept the same names: each Python
+    name reaches the native primitive, which accepts it and rejects others
+    with the same message."""
+    from mlxfast import _ext
+
+    assert set(ops._ACTS) == set(ACT_OPS)
+    w = mx.random.normal((8, 32))
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    x = mx.random.normal((2, 64))
+    for act in ops._ACTS:
+        mx.eval(_ext.dense_matmul(x, w, act=act), _ext.quantized_matmul(x, wq, s, b, group_size=32,
+                                                                          bits=4, act=act))
+    for bad in ("gelu", "silu_mul"):
+        with pytest.raises(ValueError, match=BAD_ACT):
+            _ext.dense_matmul(x, w, act=bad)
+        with pytest.raises(ValueError, match=BAD_ACT):
+            _ext.quantized_matmul(x, wq, s, b, group_size=32, bits=4, act=bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["silu_mul_halves", "gelu_mul_halves"])
+@pytest.mark.parametrize("kind,K", [((4, 32), 96), ((8, 64), 64), ((0, 0), 37), ((0, 0), 45)],
+                         ids=["q4g32", "q8g64", "dense-K37", "dense-K45"])
+@pytest.mark.parametrize("M", [1, 5, 17])
+def test_act_prologue_large_inputs_and_odd_sizes(path, act, kind, K, dtype, M):
+    """Gate values of +-20 and +-80 (saturating the activation; fp16's x**3
+    overflows in the reference) and odd K (vector tails of the prologue):
+    the fused result is finite and equals the separate ops bit for bit."""
+    bits, gs = kind
+    N = 24
+    proj = Proj(bits, gs, N, K, dtype, seed=7)
+    mx.random.seed(8)
+    gate = mx.random.normal((M, K)) * 2
+    big = mx.array([20.0, -20.0, 80.0, -80.0])
+    gate = mx.where(mx.random.uniform(shape=(M, K)) < 0.3, big[mx.random.randint(0, 4, (M, K))], gate)
+    x = mx.concatenate([gate, mx.random.normal((M, K))], axis=-1).astype(dtype)
+    r = mx.random.normal((M, N)).astype(dtype)
+    for kw in ({"act": act}, {"act": act, "residual": r}):
+        got = proj.fused(x, **kw)
+        assert got.dtype == dtype and got.shape == (M, N)
+        assert mx.all(mx.isfinite(got)).item()
+        assert mx.array_equal(got, proj.unfused(x, **kw)).item(), (kw.keys(), path)
+        check_approximate(proj, x, kw, got)
 
 
 def test_reference_dispatch_is_the_reference(proj, monkeypatch):
@@ -322,8 +399,8 @@ def _decode_graph(model):
 def _unfuse_layers(monkeypatch):
     """The model as it ran before fusion: every layer call that passes fused
     pieces runs them as separate ops around the plain projection instead
-    (``residual + proj(norm(x))``, ``residual + proj(silu_mul_halves(x))``,
-    ``head(norm(h))``); the model code itself is unchanged."""
+    (``residual + proj(norm(x))``, ``residual + proj(silu_mul_halves(x))`` or
+    the act named, ``head(norm(h))``); the model code itself is unchanged."""
     from mlxfast.models.layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
 
     for cls in (Linear, QuantizedLinear):
@@ -331,7 +408,7 @@ def _unfuse_layers(monkeypatch):
             if norm is not None:
                 x = norm(x)
             if act is not None:
-                x = ops.silu_mul_halves(x)
+                x = ACT_OPS[act](x)
             y = _plain(self, x)
             return y if residual is None else residual + y
         monkeypatch.setattr(cls, "__call__", call)
@@ -436,8 +513,9 @@ def test_linear_layers_take_fused_pieces(quantized, bias):
     r = mx.random.normal((2, 3, N)).astype(mx.bfloat16)
     assert mx.array_equal(lin(x, norm=norm), lin(norm(x))).item()
     assert mx.array_equal(lin(x, norm=norm, residual=r), r + lin(norm(x))).item()
-    assert mx.array_equal(lin(x2, act="silu_mul_halves", residual=r),
-                          r + lin(ops.silu_mul_halves(x2))).item()
+    for act, op in ACT_OPS.items():
+        assert mx.array_equal(lin(x2, act=act, residual=r), r + lin(op(x2))).item(), act
+        assert mx.array_equal(lin(x2, act=act), lin(op(x2))).item(), act
     r32 = r.astype(mx.float32)  # another dtype: MLX's add promotes, as unfused
     got = lin(x, residual=r32)
     assert got.dtype == mx.float32 and mx.array_equal(got, r32 + lin(x)).item()

@@ -1,4 +1,4 @@
-// silu(g) * u with AVX2/FMA/F16C and the vector exp (see silu_mul.h).
+// act(g) * u with AVX2/FMA/F16C and the vector exp (see silu_mul.h).
 #include <immintrin.h>
 
 #include <cmath>
@@ -18,18 +18,27 @@ inline __m256 load8(const void* p, int dt, int64_t i) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-}  // namespace
+// x / (1 + e^-z) with z = x (silu) or the gelu argument (silu_mul.h).
+template <Kind K>
+inline __m256 act8(__m256 x) {
+  __m256 z = x;
+  if (K == GeluTanh) {
+    z = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_set1_ps(kGeluK3), _mm256_mul_ps(x, x),
+                                         _mm256_set1_ps(kGeluK)));
+  }
+  return _mm256_div_ps(
+      x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
 
-void silu_mul_rows_avx2(const Args& a, int64_t r0, int64_t r1) {
-  const __m256 one = _mm256_set1_ps(1.0f);
+template <Kind K>
+void rows(const Args& a, int64_t r0, int64_t r1) {
   alignas(32) float t[8];
   for (int64_t r = r0; r < r1; ++r) {
     int64_t j = 0;
     for (; j + 8 <= a.m; j += 8) {
       const __m256 x = load8(a.g, a.dtype, r * a.stride + j);
       const __m256 y = load8(a.u, a.dtype, r * a.stride + j);
-      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-      const __m256 v = _mm256_mul_ps(s, y);
+      const __m256 v = _mm256_mul_ps(act8<K>(x), y);
       if (a.dtype == 0) {
         _mm256_storeu_ps(static_cast<float*>(a.out) + r * a.m + j, v);
       } else {
@@ -40,8 +49,18 @@ void silu_mul_rows_avx2(const Args& a, int64_t r0, int64_t r1) {
     for (; j < a.m; ++j) {
       const float x = load1(a.g, a.dtype, r * a.stride + j);
       const float y = load1(a.u, a.dtype, r * a.stride + j);
-      store1(a.out, a.dtype, r * a.m + j, x / (1.0f + std::exp(-x)) * y);
+      store1(a.out, a.dtype, r * a.m + j, act1<K>(x) * y);
     }
+  }
+}
+
+}  // namespace
+
+void gated_mul_rows_avx2(const Args& a, int64_t r0, int64_t r1) {
+  if (a.kind == GeluTanh) {
+    rows<GeluTanh>(a, r0, r1);
+  } else {
+    rows<Silu>(a, r0, r1);
   }
 }
 

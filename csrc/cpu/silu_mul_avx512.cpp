@@ -1,4 +1,4 @@
-// silu(g) * u with AVX-512 and the vector exp (see silu_mul.h).
+// act(g) * u with AVX-512 and the vector exp (see silu_mul.h).
 #include <immintrin.h>
 
 #include "cpu/silu_mul.h"
@@ -22,7 +22,7 @@ inline void store16(void* p, int dt, int64_t i, __m512 v, __mmask16 k) {
   } else if (dt == 1) {
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, k,
                              _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {  // bf16: round to nearest even (silu * u of finite inputs is finite or inf)
+  } else {  // bf16: round to nearest even (act * u of finite inputs is finite or inf)
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(
@@ -34,19 +34,38 @@ inline void store16(void* p, int dt, int64_t i, __m512 v, __mmask16 k) {
   }
 }
 
-}  // namespace
+// x / (1 + e^-z) with z = x (silu) or the gelu argument (silu_mul.h).
+template <Kind K>
+inline __m512 act16(__m512 x) {
+  __m512 z = x;
+  if (K == GeluTanh) {
+    z = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_set1_ps(kGeluK3), _mm512_mul_ps(x, x),
+                                         _mm512_set1_ps(kGeluK)));
+  }
+  return _mm512_div_ps(
+      x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+}
 
-void silu_mul_rows_avx512(const Args& a, int64_t r0, int64_t r1) {
-  const __m512 one = _mm512_set1_ps(1.0f);
+template <Kind K>
+void rows(const Args& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t j = 0; j < a.m; j += 16) {
       const __mmask16 k = a.m - j >= 16 ? static_cast<__mmask16>(0xffff)
                                         : static_cast<__mmask16>((1u << (a.m - j)) - 1u);
       const __m512 x = load16(a.g, a.dtype, r * a.stride + j, k);
       const __m512 y = load16(a.u, a.dtype, r * a.stride + j, k);
-      const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-      store16(a.out, a.dtype, r * a.m + j, _mm512_mul_ps(s, y), k);
+      store16(a.out, a.dtype, r * a.m + j, _mm512_mul_ps(act16<K>(x), y), k);
     }
+  }
+}
+
+}  // namespace
+
+void gated_mul_rows_avx512(const Args& a, int64_t r0, int64_t r1) {
+  if (a.kind == GeluTanh) {
+    rows<GeluTanh>(a, r0, r1);
+  } else {
+    rows<Silu>(a, r0, r1);
   }
 }
 

@@ -1,6 +1,7 @@
 #include "ops/quantized_matmul.h"
 
 #include <cstring>
+#include <optional>
 #include <vector>
 #include <sstream>
 #include <stdexcept>
@@ -14,7 +15,6 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "ops/rms_norm.h"
-#include "ops/silu_mul.h"
 
 namespace mlxfast {
 
@@ -88,9 +88,10 @@ void run_dispatched(qmm::Args a, const FusedSpec& spec, const mx::array& x,
   const mx::Dtype xt = x.dtype();
   const mx::Dtype nt = norm_w ? norm_w->dtype() : mx::float32;
   const auto prologue = spec.prologue;
+  const GatedAct act = spec.act;
   const float eps = spec.eps;
   const bool has_residual = residual != nullptr;
-  enc.dispatch([a, path, xin, nin, rin, xt, nt, prologue, eps, has_residual]() mutable {
+  enc.dispatch([a, path, xin, nin, rin, xt, nt, prologue, act, eps, has_residual]() mutable {
     xin.pack();
     nin.pack();
     rin.pack();
@@ -105,7 +106,7 @@ void run_dispatched(qmm::Args a, const FusedSpec& spec, const mx::array& x,
         if (prologue == FusedSpec::Norm) {
           rms_norm_rows(xt, xin.data, nt, nin.data, buf, a.M, a.K, eps);
         } else {
-          silu_mul_halves_rows(xin.data, buf, a.M, a.K, xt, path);
+          gated_mul_halves_rows(act, xin.data, buf, a.M, a.K, xt, path);
         }
         a.x = buf;
       }
@@ -136,8 +137,10 @@ struct Prepared {
 
 Prepared prepare(const char* op, const mx::array& x, const Fusion& f, mx::Stream stream) {
   Prepared p{x, {}, x.ndim() ? x.shape(-1) : 0, {}};
-  if (!f.act.empty() && f.act != "silu_mul_halves") {
-    mlxfast::fail(op, "act must be 'silu_mul_halves' (or none), got '" + f.act + "'.");
+  const std::optional<GatedAct> act = gated_act_from_halves_name(f.act);
+  if (!f.act.empty() && !act) {
+    mlxfast::fail(op, "act must be one of " + gated_act_halves_names() + " (or none), got '" +
+                          f.act + "'.");
   }
   if (f.norm_weight && !f.act.empty()) mlxfast::fail(op, "norm and act cannot both be given.");
   if (f.norm_weight) {
@@ -156,14 +159,15 @@ Prepared prepare(const char* op, const mx::array& x, const Fusion& f, mx::Stream
     p.spec.prologue = FusedSpec::Norm;
     p.spec.eps = f.eps;
     p.extra.push_back(nw);
-  } else if (!f.act.empty()) {
+  } else if (act) {
     if (x.ndim() < 1 || x.shape(-1) % 2) {
       std::ostringstream msg;
-      msg << "act='silu_mul_halves' needs an even last axis of x (gate and up halves), got x "
+      msg << "act='" << f.act << "' needs an even last axis of x (gate and up halves), got x "
           << x.shape() << ".";
       mlxfast::fail(op, msg.str());
     }
-    p.spec.prologue = FusedSpec::SiluMulHalves;
+    p.spec.prologue = FusedSpec::ActHalves;
+    p.spec.act = *act;
     p.K = x.shape(-1) / 2;
   }
   return p;
@@ -218,7 +222,7 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
   std::ostringstream msg;
   if (K % group_size != 0) {
     msg << "the last dimension of x (" << K << ") must be a multiple of group_size ("
-        << group_size << ")" << (p.spec.prologue == FusedSpec::SiluMulHalves ? " after act." : ".");
+        << group_size << ")" << (p.spec.prologue == FusedSpec::ActHalves ? " after act." : ".");
     fail(msg.str());
   }
   if (static_cast<int64_t>(w.shape(1)) * 32 != K * bits) {
@@ -273,7 +277,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   a.biases = bi.data<void>();
   a.out = out.data<void>();
   a.N = w.shape(0);
-  a.K = spec_.prologue == FusedSpec::SiluMulHalves ? x.shape(-1) / 2 : x.shape(-1);
+  a.K = spec_.prologue == FusedSpec::ActHalves ? x.shape(-1) / 2 : x.shape(-1);
   a.M = a.N > 0 ? static_cast<int64_t>(out.size()) / a.N : 0;  // also right for K == 0
   a.group_size = group_size_;
   a.bits = bits_;
@@ -297,7 +301,7 @@ mx::array dense_matmul(const mx::array& x_in, const mx::array& w, const Fusion& 
   if (p.K != w.shape(1)) {
     std::ostringstream msg;
     msg << "shape mismatch: x has K=" << p.K
-        << (p.spec.prologue == FusedSpec::SiluMulHalves ? " after act" : "") << " but w is "
+        << (p.spec.prologue == FusedSpec::ActHalves ? " after act" : "") << " but w is "
         << w.shape() << ".";
     fail(op, msg.str());
   }

@@ -5,12 +5,13 @@
 // AVX-512, NEON). Both share one driver (csrc/cpu/qmm_*.cpp); dense weights
 // are "bits 0" there.
 //
-// Both take optional fused pieces (struct Fusion): a prologue on x (rms_norm
-// or silu_mul_halves) and a residual-add epilogue, so that the small ops
-// around a layer's projections cost no primitive of their own. Each piece
-// gives bit-identical numbers to the separate op: the prologue runs the
-// separate op's own kernel into a per-thread scratch in x's dtype, then the
-// unchanged matmul kernel reads it; the epilogue adds as MLX's add does.
+// Both take optional fused pieces (struct Fusion): a prologue on x (rms_norm,
+// silu_mul_halves or gelu_mul_halves) and a residual-add epilogue, so that
+// the small ops around a layer's projections cost no primitive of their own.
+// Each piece gives bit-identical numbers to the separate op: the prologue
+// runs the separate op's own kernel into a per-thread scratch in x's dtype,
+// then the unchanged matmul kernel reads it; the epilogue adds as MLX's add
+// does.
 #pragma once
 
 #include <optional>
@@ -20,6 +21,8 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+#include "ops/silu_mul.h"
+
 namespace mlxfast {
 
 namespace mx = mlx::core;
@@ -28,8 +31,9 @@ namespace mx = mlx::core;
 struct Fusion {
   // Prologue, at most one. norm_weight [D] (D = x.shape[-1]): the matmul
   // consumes rms_norm(x, norm_weight, eps) (x is first cast to the promoted
-  // dtype of x and the weight, as rms_norm does). act == "silu_mul_halves":
-  // it consumes silu_mul_halves(x) (x = [..., 2K], gate then up).
+  // dtype of x and the weight, as rms_norm does). act == "silu_mul_halves"
+  // or "gelu_mul_halves" (see gated_act_from_halves_name): it consumes that
+  // op of x (x = [..., 2K], gate then up).
   std::optional<mx::array> norm_weight;
   float eps = 0.f;
   std::string act;
@@ -40,12 +44,13 @@ struct Fusion {
 
 // The fused pieces as a primitive stores and compares them.
 struct FusedSpec {
-  enum Prologue : int { None = 0, Norm = 1, SiluMulHalves = 2 };
+  enum Prologue : int { None = 0, Norm = 1, ActHalves = 2 };
   Prologue prologue = None;
+  GatedAct act = GatedAct::Silu;  // with ActHalves
   float eps = 0.f;
   bool residual = false;
   bool operator==(const FusedSpec& o) const {
-    return prologue == o.prologue && eps == o.eps && residual == o.residual;
+    return prologue == o.prologue && act == o.act && eps == o.eps && residual == o.residual;
   }
 };
 

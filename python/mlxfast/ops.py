@@ -9,6 +9,8 @@ compare against them.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 
@@ -134,6 +136,43 @@ def silu_mul_halves(gate_up: mx.array, *, stream=None) -> mx.array:
     return silu_mul_halves_reference(gate_up)
 
 
+def gelu_mul_reference(gate: mx.array, up: mx.array) -> mx.array:
+    """Pure-MLX ``gelu_approx(gate) * up`` as mlx-lm's Gemma MLP computes it:
+    ``nn.gelu_approx``'s formula, op for op, in gate's dtype (bit-identical
+    to ``nn.gelu_approx(gate) * up``)."""
+    g = 0.5 * gate * (1 + mx.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)))
+    return g * up
+
+
+def gelu_mul(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
+    """The gated-MLP activation ``gelu_approx(gate) * up`` (Gemma) as one primitive.
+
+    ``gelu_approx(x) = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``
+    (MLX's ``nn.gelu_approx``, the tanh approximation). gate, up: same shape,
+    float32 / float16 / bfloat16. Returns the same shape and dtype, computed
+    in float32 and rounded once (as ``x * sigmoid(2 * sqrt(2/pi) * (x +
+    0.044715 * x**3))``, the same function without tanh's cancellation near
+    -1); large inputs saturate, never NaN/inf.
+    """
+    if _on_cpu(stream):
+        return _ext.gelu_mul(gate, up, stream=stream)
+    return gelu_mul_reference(gate, up)
+
+
+def gelu_mul_halves_reference(gate_up: mx.array) -> mx.array:
+    """Pure-MLX ``gelu_approx(gate) * up`` for ``gate_up = concat([gate, up], -1)``."""
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    return gelu_mul_reference(gate, up)
+
+
+def gelu_mul_halves(gate_up: mx.array, *, stream=None) -> mx.array:
+    """``gelu_mul`` of the two halves of the last axis ([..., 2M] -> [..., M]),
+    as ``silu_mul_halves``."""
+    if _on_cpu(stream):
+        return _ext.gelu_mul_halves(gate_up, stream=stream)
+    return gelu_mul_halves_reference(gate_up)
+
+
 def qkv_rope_reference(qkv, positions, n_heads, n_kv_heads, head_dim, dims, *, traditional=False,
                        base=10000.0, scale=1.0, freqs=None, q_norm=None, k_norm=None, eps=1e-6):
     """Pure-MLX ``qkv_rope``: split, optional per-head RMSNorm, RoPE."""
@@ -209,18 +248,26 @@ def kv_write_pair(k_pool: mx.array, v_pool: mx.array, slots: mx.array, k: mx.arr
 
 # --- projections, with optional fused prologue / epilogue -------------------
 #
-# ``norm=(weight, eps)`` or ``act="silu_mul_halves"`` transform x before the
-# matmul (at most one); ``residual=r`` adds r to the product. On the CPU the
+# ``norm=(weight, eps)`` or ``act=`` (a name in ``_ACTS``) transform x before
+# the matmul (at most one); ``residual=r`` adds r to the product. On the CPU the
 # native primitive does all of it in one node with the same numbers as the
 # separate native ops; elsewhere (and where the dtypes would not line up,
 # see ``dense_matmul``) the separate ops run.
 
-_ACTS = ("silu_mul_halves",)
+# The fused activations: ``act=`` name -> (native op, pure-MLX reference). The
+# one list on the Python side (every check and dispatch reads it); the native
+# primitives check the same names (``gated_act_from_halves_name`` in
+# csrc/ops/silu_mul.cpp), and tests/test_ops_fused_linear.py checks the two agree.
+_ACTS = {
+    "silu_mul_halves": (silu_mul_halves, silu_mul_halves_reference),
+    "gelu_mul_halves": (gelu_mul_halves, gelu_mul_halves_reference),
+}
 
 
 def _check_fusion(op: str, norm, act) -> None:
-    if act is not None and act not in _ACTS:
-        raise ValueError(f"[mlxfast.{op}] act must be 'silu_mul_halves' (or None), got {act!r}.")
+    if act is not None and (not isinstance(act, str) or act not in _ACTS):
+        names = ", ".join(repr(a) for a in _ACTS)
+        raise ValueError(f"[mlxfast.{op}] act must be one of {names} (or None), got {act!r}.")
     if norm is not None:
         if act is not None:
             raise ValueError(f"[mlxfast.{op}] norm and act cannot both be given.")
@@ -240,7 +287,8 @@ def _prologue(x: mx.array, norm, act, *, reference: bool, stream=None) -> mx.arr
         w, eps = norm
         return rms_norm_reference(x, w, eps) if reference else rms_norm(x, w, eps, stream=stream)
     if act is not None:
-        return silu_mul_halves_reference(x) if reference else silu_mul_halves(x, stream=stream)
+        native, ref = _ACTS[act]
+        return ref(x) if reference else native(x, stream=stream)
     return x
 
 
@@ -273,8 +321,9 @@ def dense_matmul(x: mx.array, w: mx.array, *, norm: tuple | None = None, act: st
 
     * ``norm=(weight, eps)``: the matmul consumes ``rms_norm(x, weight, eps)``
       (weight [x.shape[-1]]);
-    * ``act="silu_mul_halves"``: it consumes ``silu_mul_halves(x)`` (x
-      [..., 2K], gate half then up half);
+    * ``act="silu_mul_halves"`` or ``act="gelu_mul_halves"``: it consumes
+      ``silu_mul_halves(x)`` / ``gelu_mul_halves(x)`` (x [..., 2K], gate half
+      then up half);
     * ``residual=r``: the result is ``r + (x @ w.T)``; r has the result's
       shape and dtype (no broadcasting, no promotion).
 
@@ -357,8 +406,8 @@ def quantized_matmul(
     scales to fp32), accumulated in float32.
 
     Fused pieces, as for :func:`dense_matmul`: ``norm=(weight, eps)`` or
-    ``act="silu_mul_halves"`` (x [..., 2K]) before the matmul, ``residual=r``
-    after it; with a norm the result has the norm's dtype (``rms_norm``
+    ``act="silu_mul_halves"`` / ``"gelu_mul_halves"`` (x [..., 2K]) before
+    the matmul, ``residual=r`` after it; with a norm the result has the norm's dtype (``rms_norm``
     promotes x with its weight).
 
     On the CPU this is one native primitive (GEMV path for up to 16 rows,
@@ -368,15 +417,14 @@ def quantized_matmul(
     """
     if biases is None:
         raise ValueError("[mlxfast.quantized_matmul] biases are required (affine quantization).")
+    _check_fusion("quantized_matmul", norm, act)
     if transpose and _on_cpu(stream):
         if norm is not None:
-            _check_fusion("quantized_matmul", norm, act)
             return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
                                          norm=norm[0], eps=norm[1], act=act, residual=residual,
                                          stream=stream)
         return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
                                      act=act, residual=residual, stream=stream)
-    _check_fusion("quantized_matmul", norm, act)
     x = _prologue(x, norm, act, reference=False, stream=stream)
     out = quantized_matmul_reference(
         x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits

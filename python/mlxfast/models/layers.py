@@ -28,10 +28,11 @@ class Linear(nn.Module):
 
     Optional fused pieces (one primitive on the CPU, same numbers as the
     separate ops): ``norm`` (an :class:`RMSNorm`) applied to x first, or
-    ``act="silu_mul_halves"`` (x holds gate and up halves), and ``residual``
-    (with the product's shape) added last: ``residual + (x @ weight.T + bias)``.
-    A bias, or a residual of another dtype than the product (MLX's add
-    promotes it), is added as a separate op.
+    ``act="silu_mul_halves"`` / ``act="gelu_mul_halves"`` (x holds gate and
+    up halves: ``silu(gate) * up``, Llama; ``gelu_approx(gate) * up``, Gemma),
+    and ``residual`` (with the product's shape) added last:
+    ``residual + (x @ weight.T + bias)``. A bias, or a residual of another
+    dtype than the product (MLX's add promotes it), is added as a separate op.
     """
 
     def __init__(self, in_dims: int, out_dims: int, bias: bool = False):
