@@ -162,3 +162,53 @@ def test_strftime_now_and_generation_block():
     template = "{% generation %}{{ strftime_now('%Y') }}{% endgeneration %}"
     out = render_chat_template(template, [{"role": "user", "content": "x"}])
     assert out.isdigit() and len(out) == 4
+
+
+# ------------------------------------------------ --chat-template's value
+
+GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+         "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+         "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_load_chat_template_reads_a_file(tmp_path):
+    from mlxfast.text.chat_template import load_chat_template
+
+    f = tmp_path / "gemma.jinja"
+    f.write_text(GEMMA, encoding="utf-8")
+    assert load_chat_template(str(f)) == GEMMA
+    out = render_chat_template(load_chat_template(str(f)), [{"role": "user", "content": "hi"}],
+                               bos_token="<bos>")
+    assert out == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_load_chat_template_takes_template_text(tmp_path):
+    from mlxfast.text.chat_template import load_chat_template
+
+    assert load_chat_template(GEMMA) == GEMMA
+    assert load_chat_template("{% for m in messages %}x{% endfor %}").startswith("{%")
+    # An existing file wins, even when its name looks like a template.
+    odd = tmp_path / "{{x}}"
+    odd.write_text("from the file: {{ messages[0]['content'] }}")
+    assert load_chat_template(str(odd)).startswith("from the file")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", r"no such file: .*missing\.jinja"),
+    ("directory", r"is a directory"),
+    ("empty", r"empty\.jinja is empty"),
+    ("binary", r"binary\.jinja is not UTF-8"),
+    ("bad-file", r"bad\.jinja: chat template syntax error \(line 1\)"),
+    ("bad-text", r"the template text given: chat template syntax error"),
+])
+def test_load_chat_template_errors_name_the_path(tmp_path, case, match):
+    from mlxfast.text.chat_template import load_chat_template
+
+    (tmp_path / "empty.jinja").write_text("  \n")
+    (tmp_path / "binary.jinja").write_bytes(b"{{ x }}\xff\xfe")
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    value = {"missing": str(tmp_path / "missing.jinja"), "directory": str(tmp_path),
+             "empty": str(tmp_path / "empty.jinja"), "binary": str(tmp_path / "binary.jinja"),
+             "bad-file": str(tmp_path / "bad.jinja"), "bad-text": "{{ messages[0] }"}[case]
+    with pytest.raises(ValueError, match=match):
+        load_chat_template(value)

@@ -401,3 +401,49 @@ def test_pre_tokenizer_matches_llama_cpp(gguf_meta, tmp_path, pre):
         # llama-cpp-python's add_bos is llama.cpp's add_special: BOS only if the vocab wants it.
         expected = llm.tokenize(text.encode(), add_bos=True, special=True)
         assert ours.encode(text) == expected, (pre, text)
+
+
+# ------------------------------------------------ the turn end follows the template
+
+def _turn_tokenizer(template=None):
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "hi", "<end_of_turn>", "<|eot|>", "<|END_OF_TURN_TOKEN|>", "<|im_end|>",
+             "<|endoftext|>", "<end>"]
+    hf = HF(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # <|im_end|> stays a plain vocabulary entry: the fixed names count without being special.
+    hf.add_special_tokens([AddedToken(w, special=True) for w in words[3:6] + words[7:]])
+    return Tokenizer(hf, eos_token_ids=[1], chat_template=template), {w: i for i, w in enumerate(words)}
+
+
+def test_turn_end_tokens_follow_the_template():
+    tok, ids = _turn_tokenizer()
+    assert tok.eos_token_ids == {1, ids["<|endoftext|>"]}  # no template: the model's own ends only
+    tok.chat_template = "{% for m in messages %}<start_of_turn>{{ m.content }}<end_of_turn>{% endfor %}"
+    assert tok.eos_token_ids == {1, ids["<|endoftext|>"], ids["<end_of_turn>"]}
+    # Special tokens named like a turn end, in other families' spellings.
+    tok.chat_template = "{{ messages[0].content }}<|eot|> <|END_OF_TURN_TOKEN|> <|im_end|> <end>"
+    assert tok.eos_token_ids == {1, ids["<|endoftext|>"], ids["<|eot|>"], ids["<|END_OF_TURN_TOKEN|>"],
+                                 ids["<|im_end|>"]}  # "<end>" is not a turn-end name
+    tok.chat_template = None
+    assert tok.eos_token_ids == {1, ids["<|endoftext|>"]} and tok.chat_template is None
+    # The model's own template counts the same way.
+    own, _ = _turn_tokenizer("{{ messages[0].content }}<end_of_turn>")
+    assert ids["<end_of_turn>"] in own.eos_token_ids
+
+
+def test_gguf_without_template_gets_the_turn_end_of_the_one_set(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_gguf import END_OF_TURN, EOS, write_chat_gguf
+
+    path = write_chat_gguf(tmp_path / "bare.gguf")
+    _, meta = mx.load(str(path), return_metadata=True)
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.chat_template is None and tok.eos_token_ids == {EOS}
+    tok.chat_template = "{% for m in messages %}<start_of_turn>{{ m.content }}<end_of_turn>\n{% endfor %}"
+    assert tok.eos_token_ids == {EOS, END_OF_TURN} and tok.is_special(END_OF_TURN)

@@ -90,10 +90,14 @@ def write_kquant_gguf(path: Path, config: dict, weights: dict[str, np.ndarray], 
 
 
 def write_tiny_gguf(path: Path, config: dict, weights: dict[str, np.ndarray],
-                    qtype: GGMLQuantizationType, arch: str = "llama", raw: bool = False) -> None:
+                    qtype: GGMLQuantizationType, arch: str = "llama", raw: bool = False,
+                    metadata=None) -> None:
     """Write HF-named fp32 numpy weights as a llama.cpp-style GGUF file
-    (``raw``: 2-D weights are already qtype data in GGUF layout)."""
+    (``raw``: 2-D weights are already qtype data in GGUF layout;
+    ``metadata(writer)`` adds more keys, e.g. a vocabulary)."""
     w = GGUFWriter(str(path), arch)
+    if metadata is not None:
+        metadata(w)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -123,3 +127,84 @@ def write_tiny_gguf(path: Path, config: dict, weights: dict[str, np.ndarray],
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ---------------------------------------------------------------- a chat model
+
+# A byte-level BPE vocabulary with Gemma's control tokens, and a one-layer
+# model whose next token is a fixed function of the current one (attention
+# and MLP write nothing; the head maps each token's one-hot embedding to its
+# successor): after a newline it writes "OK" and then <end_of_turn>, after
+# <end_of_turn> a newline again, after anything else "OK".
+CHAT_SPECIALS = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+PAD, BOS, EOS, START_OF_TURN, END_OF_TURN = range(5)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character map, in byte order."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def chat_vocab() -> list[str]:
+    return CHAT_SPECIALS + _byte_chars() + ["Ġt"]
+
+
+def write_chat_gguf(path: Path, chat_template: str | None = None) -> Path:
+    """The chat model above as a GGUF file (F32), with ``chat_template`` in
+    its metadata or none (as Gemma 3's GGUF files ship)."""
+    tokens = chat_vocab()
+    v = len(tokens)
+    byte_id = {b: len(CHAT_SPECIALS) + b for b in range(256)}
+    nl, o, k = byte_id[ord("\n")], byte_id[ord("O")], byte_id[ord("K")]
+    nxt = np.full(v, o)
+    nxt[nl], nxt[o], nxt[k], nxt[END_OF_TURN] = o, k, END_OF_TURN, nl
+    hidden = 384
+    config = {"num_hidden_layers": 1, "max_position_embeddings": 512, "hidden_size": hidden,
+              "intermediate_size": 128, "num_attention_heads": 6, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": v}
+    rng = np.random.default_rng(0)
+    embed = np.zeros((v, hidden), np.float32)
+    embed[np.arange(v), np.arange(v)] = 1.0
+    head = np.zeros((v, hidden), np.float32)
+    head[nxt, np.arange(v)] = 1.0
+    p = "model.layers.0."
+    kv = hidden // 6 * 2
+    weights = {
+        "model.embed_tokens.weight": embed,
+        p + "input_layernorm.weight": np.ones(hidden, np.float32),
+        p + "self_attn.q_proj.weight": rng.normal(0, 0.02, (hidden, hidden)).astype(np.float32),
+        p + "self_attn.k_proj.weight": rng.normal(0, 0.02, (kv, hidden)).astype(np.float32),
+        p + "self_attn.v_proj.weight": rng.normal(0, 0.02, (kv, hidden)).astype(np.float32),
+        p + "self_attn.o_proj.weight": np.zeros((hidden, hidden), np.float32),
+        p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+        p + "mlp.gate_proj.weight": rng.normal(0, 0.02, (128, hidden)).astype(np.float32),
+        p + "mlp.up_proj.weight": rng.normal(0, 0.02, (128, hidden)).astype(np.float32),
+        p + "mlp.down_proj.weight": np.zeros((hidden, 128), np.float32),
+        "model.norm.weight": np.ones(hidden, np.float32),
+        "lm_head.weight": head,
+    }
+
+    def vocab(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([3] * len(CHAT_SPECIALS) + [1] * (v - len(CHAT_SPECIALS)))
+        w.add_token_merges(["Ġ t"])
+        w.add_bos_token_id(BOS)
+        w.add_eos_token_id(EOS)
+        w.add_pad_token_id(PAD)
+        w.add_add_bos_token(True)
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
+
+    write_tiny_gguf(path, config, weights, GGMLQuantizationType.F32, metadata=vocab)
+    return path

@@ -16,11 +16,23 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (or the template text itself) used instead of the model's own")
     args = p.parse_args(argv)
 
     from . import load, stream_generate
+    from .text.chat_template import load_chat_template
 
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = load_chat_template(args.chat_template)
+        except ValueError as e:
+            print(f"mlxfast: error: --chat-template: {e}", file=sys.stderr)
+            return 1
     model, tokenizer = load(args.model)
+    if template is not None:
+        tokenizer.chat_template = template
     for chunk in stream_generate(
         model, tokenizer, args.prompt, max_tokens=args.max_tokens, temp=args.temp,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,

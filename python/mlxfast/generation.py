@@ -39,10 +39,21 @@ def sample_token(logits: mx.array, temp: float, top_p: float, top_k: int, key) -
     return mx.random.categorical(logits, key=key)
 
 
+NO_TEMPLATE_MESSAGE = (
+    "this model has no chat template: give it one (tokenizer.chat_template = text, or "
+    "`mlxfast generate --chat-template FILE`), or pass chat=False (`--no-chat`) for a raw prompt")
+
+
 def prompt_ids(tokenizer, prompt, chat: bool) -> list[int]:
+    """Token ids for ``prompt``: ids as given, else chat messages (or one
+    user message) rendered with ``tokenizer.chat_template`` when ``chat``,
+    else the raw text. A chat prompt for a model without a template raises
+    ``ValueError`` (no format is guessed)."""
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
         return list(prompt)
-    if chat and tokenizer.chat_template:
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError(NO_TEMPLATE_MESSAGE)
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)

@@ -43,6 +43,10 @@ def _origins(text: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxfast serve", description="OpenAI- and Anthropic-compatible LLM server.")
     p.add_argument("--model", default=None, help="HF/MLX directory or GGUF file (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the chat template for the chat APIs, replacing the model's own: a Jinja file, or "
+                        "the template text itself (a value that is no file and contains '{{' or '{%%'); "
+                        "needed for a model that ships without one (its chat requests are a 400 otherwise)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name reported by the API, then any aliases it also answers to")
     p.add_argument("--strict-model-name", action="store_true",
@@ -216,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     n_min, n_max = args.ngram_min or 1, args.ngram_max or 4
     if args.draft_kind and not 1 <= n_min <= n_max:
         return _fail(f"--ngram-min ({n_min}) must be at least 1 and at most --ngram-max ({n_max})")
+    chat_template = None
+    if args.chat_template is not None:
+        from .text.chat_template import load_chat_template
+
+        try:
+            chat_template = load_chat_template(args.chat_template)
+        except ValueError as e:
+            return _fail(f"--chat-template: {e}")
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -281,6 +293,16 @@ def main(argv: list[str] | None = None) -> int:
             from .engine.engine import Engine
 
             model, tokenizer = load_model(args.model)
+            if chat_template is not None:
+                own = "replacing the model's own" if tokenizer.chat_template else "the model has none"
+                _say(f"chat template from --chat-template ({own})")
+                # Before the engine is built: it reads the end tokens, which
+                # include the template's turn end.
+                tokenizer.chat_template = chat_template
+            elif not tokenizer.chat_template:
+                print("mlxfast: warning: the model has no chat template: chat requests get a 400 "
+                      "until the server is started with --chat-template FILE; /v1/completions works",
+                      file=sys.stderr, flush=True)
             config = _engine_config(args)
             if args.draft_model is not None:
                 config.draft_model = _load_draft(load_model, args.draft_model, tokenizer)

@@ -63,6 +63,7 @@ async def stats(request: Request):
         "model": state.settings.model_name,
         "status": state.status if state.engine_alive() or state.status != "ready" else "error",
         "max_model_len": state.max_model_len if state.engine is not None else None,
+        "has_chat_template": state.has_chat_template,
         "metrics": merged_values(state.metrics, engine_stats),
         "server": state.metrics.snapshot(),
         "engine": _jsonable(engine_stats),

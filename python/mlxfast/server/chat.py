@@ -23,7 +23,7 @@ from . import generation as gen
 from .common import new_id
 from .errors import bad_request
 from .events import ContentDelta, ReasoningDelta
-from .prompts import ChatPrompt, build_chat_prompt
+from .prompts import ChatPrompt, build_chat_prompt, require_template
 
 TOOL_CHOICES = ("auto", "none", "required", "function")
 
@@ -86,6 +86,7 @@ def _forces_call(chat: ChatRequest, use_tools: bool) -> bool:
 
 def render(state, chat: ChatRequest) -> tuple[ChatPrompt, bool]:
     """The prompt (rendered and tokenized) and whether tools are on."""
+    require_template(state.tokenizer)  # before anything else: no chat request can work without one
     use_tools = _check_tools(chat)
     constrained = chat.json_output or _forces_call(chat, use_tools)
     kwargs = dict(chat.template_kwargs)

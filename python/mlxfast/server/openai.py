@@ -614,4 +614,5 @@ async def get_model(model_id: str, request: Request):
 
 def _model_card(state, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxfast",
-            "max_model_len": state.max_model_len if state.engine is not None else None}
+            "max_model_len": state.max_model_len if state.engine is not None else None,
+            "has_chat_template": state.has_chat_template}

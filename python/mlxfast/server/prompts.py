@@ -138,11 +138,20 @@ def _join_systems(messages: list[dict], hoist: bool) -> list[dict]:
     return out
 
 
-def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
-    parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages]
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
+# A model without a chat template gets no guessed format: its chat turns
+# would be wrong, silently.
+NO_TEMPLATE_MESSAGE = (
+    "this model has no chat template, so chat messages cannot be formatted for it; start the "
+    "server with --chat-template FILE (a Jinja chat template, or the template text itself), "
+    "or send a raw prompt to /v1/completions")
+
+
+def require_template(tokenizer) -> str:
+    """The chat template, or a 400 naming ``--chat-template``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise bad_request(NO_TEMPLATE_MESSAGE, code="no_chat_template")
+    return template
 
 
 def build_chat_prompt(
@@ -159,9 +168,9 @@ def build_chat_prompt(
     """``tools`` are OpenAI-shaped (``{"type": "function", "function": {...}}``)."""
     if not keep_billing_header:
         messages = strip_billing_header(messages)
-    template = getattr(tokenizer, "chat_template", None)
+    template = require_template(tokenizer)
     family = tc.detect_family(template) if tools and use_tools else None
-    native_tools = bool(template) and "tools" in template
+    native_tools = "tools" in template
     msgs = messages
     if tools and not native_tools:
         msgs = _text_only(msgs, family or "hermes")
@@ -172,28 +181,26 @@ def build_chat_prompt(
     if continue_final_message:
         add_generation_prompt = False
     msgs = _join_systems(msgs, hoist=False)
-    if template:
-        def render(m):
-            return tokenizer.apply_chat_template(
-                m, add_generation_prompt=add_generation_prompt,
-                tools=tools if (tools and use_tools and native_tools) else None,
-                **template_kwargs,
-            )
 
+    def render(m):
+        return tokenizer.apply_chat_template(
+            m, add_generation_prompt=add_generation_prompt,
+            tools=tools if (tools and use_tools and native_tools) else None,
+            **template_kwargs,
+        )
+
+    try:
+        text = render(msgs)
+    except ValueError as e:
+        # Many templates take a system message first only (Mistral's,
+        # Gemma's raise otherwise): then every system message joins the first.
+        hoisted = _join_systems(msgs, hoist=True)
+        if hoisted == msgs:
+            raise bad_request(str(e), param="messages") from None
         try:
-            text = render(msgs)
-        except ValueError as e:
-            # Many templates take a system message first only (Mistral's,
-            # Gemma's raise otherwise): then every system message joins the first.
-            hoisted = _join_systems(msgs, hoist=True)
-            if hoisted == msgs:
-                raise bad_request(str(e), param="messages") from None
-            try:
-                text = render(hoisted)
-            except ValueError:
-                raise bad_request(str(e), param="messages") from None
-    else:
-        text = _chatml(msgs, add_generation_prompt)
+            text = render(hoisted)
+        except ValueError:
+            raise bad_request(str(e), param="messages") from None
     if continue_final_message and msgs and msgs[-1]["role"] == "assistant":
         last = msgs[-1].get("content") or ""
         i = text.rfind(last) if last else -1

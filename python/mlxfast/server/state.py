@@ -65,6 +65,13 @@ class ServerState:
         return int(getattr(cfg, "max_position_embeddings", 4096))
 
     @property
+    def has_chat_template(self) -> bool | None:
+        """Whether the chat APIs can format messages (None while loading)."""
+        if self.tokenizer is None:
+            return None
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
     def model_vocab_size(self) -> int:
         cfg = getattr(self.model, "config", None) or {}
         v = cfg.get("vocab_size") if isinstance(cfg, dict) else getattr(cfg, "vocab_size", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import jinja2
@@ -93,6 +94,51 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat template syntax error (line {e.lineno}): {e.message}") from e
+
+
+def looks_like_template(text: str) -> bool:
+    """Whether ``text`` reads as Jinja template text rather than a path."""
+    return "{{" in text or "{%" in text
+
+
+def load_chat_template(value: str) -> str:
+    """The chat template a ``--chat-template`` value names, compiled once to
+    check it: vLLM's convention, a path to a Jinja file, or, when no such
+    file exists and the value looks like a template (``{{`` or ``{%``), the
+    template text itself. Any problem (no such file, unreadable, not UTF-8,
+    empty, a Jinja syntax error) raises ``ValueError`` saying what is wrong
+    with which path."""
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a chat template file or the template text, got an empty value")
+    path = Path(value).expanduser()
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte
+        is_file = is_dir = False
+    if is_file:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read {value}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{value} is not UTF-8 text (byte {e.start})") from None
+        if not text.strip():
+            raise ValueError(f"{value} is empty")
+        where = value
+    elif looks_like_template(value):
+        text, where = value, "the template text given"
+    elif is_dir:
+        raise ValueError(f"{value} is a directory, not a chat template file")
+    else:
+        raise ValueError(f"no such file: {value} (and it is not template text: "
+                         "that would contain '{{' or '{%')")
+    try:
+        compile_template(text)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return text
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:

@@ -5,6 +5,7 @@ ids, chat template, which tokens end a turn)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -15,8 +16,13 @@ from .detokenizer import IncrementalDetokenizer
 from .gguf_vocab import vocab_from_gguf_metadata
 
 # Tokens that close a chat turn in common templates; they stop generation when
-# they exist as special tokens and the template emits them.
+# they exist in the vocabulary and the template emits them.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+# Other special tokens named like a turn end (<|eot|>, <|end_of_turn|>,
+# <|END_OF_TURN_TOKEN|>, ...) count too, again only when the template emits them.
+_TURN_END_NAME = re.compile(
+    r"<\|(?:end_?of_?turn(?:_token)?|eot(?:_id)?|eom(?:_id)?|im_end|end)\|>|<end_?of_?turn>",
+    re.IGNORECASE)
 # llama.cpp also ends generation on this one whenever it is a control token.
 _END_OF_TEXT = "<|endoftext|>"
 
@@ -79,14 +85,14 @@ class Tokenizer:
         self._hf = hf
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
-        self.chat_template = chat_template
         self.unk_token_id = unk_token_id
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
-        self.eos_token_ids: set[int] = set(eos_token_ids) | self._turn_end_ids()
         self._special_ids = {
             i for i, t in hf.get_added_tokens_decoder().items() if t.special
         }
+        self._model_eos_ids = frozenset(eos_token_ids)
+        self.chat_template = chat_template  # sets eos_token_ids too
         self._kind = _decoder_kind(
             json.loads(hf.decoder.__getstate__()) if hf.decoder is not None else None
         )
@@ -212,6 +218,19 @@ class Tokenizer:
 
     # ---- chat -----------------------------------------------------------
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template every chat path renders with: the model's own,
+        or the one set here (``mlxfast serve --chat-template``), which
+        replaces it. Setting it also sets ``eos_token_ids``: the model's end
+        tokens plus the turn-end tokens this template emits."""
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._chat_template = template or None
+        self.eos_token_ids: set[int] = set(self._model_eos_ids) | self._turn_end_ids()
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -278,6 +297,10 @@ class Tokenizer:
         for text in _TURN_END_TOKENS:
             i = self._hf.token_to_id(text)
             if i is not None and text in template:
+                ids.add(i)
+        for i in self._special_ids:
+            text = self._hf.id_to_token(i)
+            if text and text in template and _TURN_END_NAME.fullmatch(text):
                 ids.add(i)
         eot = self._hf.get_added_tokens_decoder()
         i = self._hf.token_to_id(_END_OF_TEXT)
