@@ -84,7 +84,7 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "group_size"_a, "bits"_a, "dtype"_a = nb::none(), "stream"_a = nb::none());
   m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
         "block_tables"_a, "seq_idx"_a, "positions"_a, "scale"_a, "block_size"_a,
-        nb::kw_only(), "merge_heads"_a = false, "stream"_a = nb::none());
+        nb::kw_only(), "merge_heads"_a = false, "window"_a = 0, "stream"_a = nb::none());
   m.def("paged_gather", &mlxfast::paged_gather, "pool"_a, "block_tables"_a, "block_size"_a,
         nb::kw_only(), "stream"_a = nb::none());
   m.def("sample_tokens", &mlxfast::sample_tokens, "logits"_a, "keys"_a, "temperature"_a,
@@ -99,7 +99,7 @@ NB_MODULE(_ext, m) {
   m.def("kv_quant_paged_attention", &mlxfast::kv_quant_paged_attention, "q"_a, "packed"_a,
         "block_tables"_a, "seq_idx"_a, "positions"_a, "signs"_a, "codebook"_a, nb::kw_only(),
         "scale"_a, "block_size"_a, "head_dim"_a, "k_bits"_a, "v_bits"_a, "group_size"_a,
-        "v_turbo"_a, "stream"_a = nb::none());
+        "v_turbo"_a, "window"_a = 0, "stream"_a = nb::none());
 
   mlxfast::bind_io(m);  // SSD-tier I/O: csrc/io/
 }

@@ -15,7 +15,12 @@ FORMATS = [KVQuantFormat(64, 8, 8, 64, False), KVQuantFormat(64, 4, 4, 64, False
            KVQuantFormat(64, 8, 3, 64, True), KVQuantFormat(64, 8, 4, 64, True),
            KVQuantFormat(64, 8, 2, 64, True), KVQuantFormat(64, 4, 3, 32, True),
            KVQuantFormat(128, 8, 3, 64, True), KVQuantFormat(32, 4, 4, 32, False),
-           KVQuantFormat(16, 8, 2, 16, True), KVQuantFormat(24, 8, 8, 8, False)]
+           KVQuantFormat(16, 8, 2, 16, True), KVQuantFormat(24, 8, 8, 8, False),
+           # head dim 256 (Gemma 3): every scheme, rotation of size 256
+           KVQuantFormat(256, 8, 8, 64, False), KVQuantFormat(256, 4, 4, 64, False),
+           KVQuantFormat(256, 8, 8, 32, False), KVQuantFormat(256, 4, 4, 32, False),
+           KVQuantFormat(256, 8, 3, 64, True), KVQuantFormat(256, 8, 4, 64, True),
+           KVQuantFormat(256, 8, 2, 64, True), KVQuantFormat(256, 4, 3, 32, True)]
 
 
 
@@ -98,7 +103,8 @@ def test_attention_matches_reference(path, fmt, shape):
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[4]], ids=fid)
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[4], KVQuantFormat(256, 4, 4, 32, False),
+                                 KVQuantFormat(256, 8, 3, 64, True)], ids=fid)
 def test_attention_long_context_split_and_dtypes(path, fmt):
     """Long contexts with few rows are split along the keys and merged."""
     rng = random.Random(5)
@@ -134,3 +140,141 @@ def test_validation():
                                      block_size=16, fmt=fmt, signs=s)
     with pytest.raises(ValueError, match="shape"):
         ops.kv_quant_encode(mx.zeros((2, 64)), mx.zeros((3, 64)), fmt, s)
+
+
+# --- sliding window ----------------------------------------------------------
+
+WINDOW_FORMATS = [KVQuantFormat(256, 8, 8, 64, False), KVQuantFormat(256, 4, 4, 32, False),
+                  KVQuantFormat(256, 8, 3, 64, True), KVQuantFormat(256, 4, 4, 64, True),
+                  KVQuantFormat(256, 8, 2, 32, True), KVQuantFormat(64, 8, 8, 32, False),
+                  KVQuantFormat(64, 4, 4, 64, False), KVQuantFormat(64, 8, 3, 64, True),
+                  KVQuantFormat(128, 8, 4, 64, True)]
+# ragged decode rows and prefill chunks (whole tiles, mid-block starts, a
+# few-token chunk) in one step
+WINDOW_SPECS = [(0, 40), (75, 1), (130, 33), (5, 1), (250, 3), (299, 1)]
+WINDOWS = [1, 3, 16, 21, 64, 1000]  # 16 = block size; 21 not a multiple; 1000 >= context
+
+
+def window_case(rng, fmt, specs, *, bs, Hq, Hkv, window):
+    """Packed pool (last block: 0xFF bytes, NaN scales -- any read of it would
+    poison the result), q, clean tables and tables whose entries wholly before
+    each sequence's earliest window start hold garbage (huge, negative, past
+    the pool, the poison block)."""
+    nbs = [-(-(start + n) // bs) for start, n in specs]
+    num_blocks = sum(nbs) + 3
+    poison = num_blocks - 1
+    perm = list(range(num_blocks - 1))
+    rng.shuffle(perm)
+    tables, junk_tables, seq_idx, positions, used = [], [], [], [], 0
+    garbage = [2 ** 31 - 1, -1, poison, 10 ** 6, -(2 ** 31)]
+    for i, ((start, n), nb) in enumerate(zip(specs, nbs)):
+        t = perm[used:used + nb]
+        used += nb
+        first = max(0, start - window + 1) // bs if window else 0
+        tables.append(t)
+        junk_tables.append([garbage[(b + start) % len(garbage)] for b in range(first)] + t[first:])
+        seq_idx += [i] * n
+        positions += list(range(start, start + n))
+    maxb = max(nbs)
+    pad = lambda ts: mx.array([t + [0] * (maxb - len(t)) for t in ts], dtype=mx.int32)
+    D = fmt.head_dim
+    s = signs_for(fmt, 2)
+    packed = ops.kv_quant_encode_reference(mx.random.normal((num_blocks * bs, Hkv, D)) * 1.5,
+                                           mx.random.normal((num_blocks * bs, Hkv, D)), fmt, s)
+    packed = np.array(packed)
+    packed[poison * bs:] = 0xFF
+    q = mx.random.normal((len(seq_idx), Hq, D)) * 2
+    return (q, mx.array(packed), pad(tables), pad(junk_tables), mx.array(seq_idx, dtype=mx.int32),
+            mx.array(positions, dtype=mx.int32), s)
+
+
+def brute_force(q, packed, tables, seq_idx, positions, scale, bs, fmt, signs, window):
+    """Numpy float64 over the dequantized pool, keys p - W < j <= p (W = 0: all j <= p)."""
+    k, v = ops.kv_quant_dequant_reference(packed, fmt, signs)
+    k, v, q = (np.array(a, np.float64) for a in (k, v, q))
+    tables, seq_idx, positions = (np.array(a).tolist() for a in (tables, seq_idx, positions))
+    T, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = np.zeros((T, Hq, D))
+    for t in range(T):
+        p, table = positions[t], tables[seq_idx[t]]
+        keys = [j for j in range(p + 1) if window == 0 or p - j < window]
+        slots = [table[j // bs] * bs + j % bs for j in keys]
+        for h in range(Hq):
+            sc = k[slots, h // G] @ q[t, h] * scale
+            e = np.exp(sc - sc.max())
+            out[t, h] = (e / e.sum()) @ v[slots, h // G]
+    return out
+
+
+@pytest.mark.parametrize("fmt", WINDOW_FORMATS[:3] + WINDOW_FORMATS[5:8], ids=fid)
+def test_reference_window_matches_brute_force(fmt):
+    """The reference itself against brute force, on garbage tables before the windows."""
+    rng = random.Random(fmt.head_dim + fmt.v_bits)
+    mx.random.seed(fmt.head_dim)
+    for window in [0, 1, 3, 21, 1000]:
+        q, packed, tables, junk, seq_idx, pos, s = window_case(rng, fmt, WINDOW_SPECS, bs=16, Hq=4,
+                                                               Hkv=2, window=window)
+        kw = dict(scale=fmt.head_dim ** -0.5, block_size=16, fmt=fmt, signs=s, window=window)
+        got = ops.kv_quant_paged_attention_reference(q, packed, junk, seq_idx, pos, **kw)
+        want = brute_force(q, packed, tables, seq_idx, pos, kw["scale"], 16, fmt, s, window)
+        np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4, err_msg=f"window {window}")
+
+
+@pytest.mark.parametrize("shape", [(4, 1, 16), (8, 2, 16), (9, 3, 4)], ids=str)
+@pytest.mark.parametrize("fmt", WINDOW_FORMATS, ids=fid)
+def test_attention_window_matches_reference(path, fmt, shape):
+    """Windows 1, 3, the block size, not a multiple of it, beyond the context:
+    native == reference; garbage table entries before the windows (a NaN block
+    among them) change nothing."""
+    Hq, Hkv, bs = shape
+    rng = random.Random(hash((fid(fmt), Hq, bs)) & 0xFFFF)
+    mx.random.seed(rng.randrange(1000))
+    for window in WINDOWS[:-2] + [bs * 3 + 1, 1000]:
+        q, packed, tables, junk, seq_idx, pos, s = window_case(rng, fmt, WINDOW_SPECS, bs=bs, Hq=Hq,
+                                                               Hkv=Hkv, window=window)
+        kw = dict(scale=fmt.head_dim ** -0.5, block_size=bs, fmt=fmt, signs=s, window=window)
+        got = ops.kv_quant_paged_attention(q, packed, tables, seq_idx, pos, **kw)
+        want = ops.kv_quant_paged_attention_reference(q, packed, tables, seq_idx, pos, **kw)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4,
+                                   err_msg=f"window {window}")
+        got_junk = ops.kv_quant_paged_attention(q, packed, junk, seq_idx, pos, **kw)
+        assert mx.array_equal(got_junk, got).item(), f"window {window}: blocks before it were read"
+
+
+@pytest.mark.parametrize("fmt", [WINDOW_FORMATS[0], WINDOW_FORMATS[2], WINDOW_FORMATS[7]], ids=fid)
+@pytest.mark.parametrize("n_ctx,window", [(4096, 512), (2000, 1500), (1500, 100)])
+def test_attention_window_long_single_row(path, fmt, n_ctx, window):
+    """One decode row over a long context: the chunks (split along the keys)
+    cover the window's blocks only."""
+    rng = random.Random(n_ctx + window)
+    mx.random.seed(window)
+    q, packed, tables, junk, seq_idx, pos, s = window_case(rng, fmt, [(n_ctx - 1, 1)], bs=16, Hq=4,
+                                                           Hkv=1, window=window)
+    kw = dict(scale=0.1, block_size=16, fmt=fmt, signs=s, window=window)
+    got = ops.kv_quant_paged_attention(q, packed, junk, seq_idx, pos, **kw)
+    want = ops.kv_quant_paged_attention_reference(q, packed, tables, seq_idx, pos, **kw)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], KVQuantFormat(256, 8, 3, 64, True)], ids=fid)
+def test_attention_window_zero_is_full_attention(path, fmt):
+    rng = random.Random(9)
+    mx.random.seed(9)
+    q, packed, tables, _, seq_idx, pos, s = window_case(rng, fmt, WINDOW_SPECS + [(1500, 1)], bs=16,
+                                                        Hq=4, Hkv=1, window=0)
+    kw = dict(scale=0.1, block_size=16, fmt=fmt, signs=s)
+    for f in (ops.kv_quant_paged_attention, ops.kv_quant_paged_attention_reference):
+        assert mx.array_equal(f(q, packed, tables, seq_idx, pos, window=0, **kw),
+                              f(q, packed, tables, seq_idx, pos, **kw)).item()
+
+
+def test_window_validation():
+    fmt = KVQuantFormat(64, 8, 8, 64, False)
+    q = mx.zeros((2, 4, 64))
+    packed = mx.zeros((32, 2, fmt.row_bytes), mx.uint8)
+    t = mx.zeros((1, 2), mx.int32)
+    i = mx.zeros((2,), mx.int32)
+    for f in (ops.kv_quant_paged_attention, ops.kv_quant_paged_attention_reference):
+        with pytest.raises(ValueError, match=r"kv_quant_paged_attention\] window must be >= 0"):
+            f(q, packed, t, i, i, scale=1.0, block_size=16, fmt=fmt, window=-1)

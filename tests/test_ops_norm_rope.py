@@ -40,7 +40,7 @@ def _mlx_rope(x, offsets, dims, **kw):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("traditional", [False, True])
-@pytest.mark.parametrize("dims,D", [(64, 64), (32, 64), (128, 128)])
+@pytest.mark.parametrize("dims,D", [(64, 64), (32, 64), (128, 128), (256, 256), (128, 256)])
 def test_rope_matches_mlx(dtype, traditional, dims, D):
     B, L, H = 3, 5, 4
     x = mx.random.normal((B, L, H, D)).astype(dtype)
@@ -90,7 +90,8 @@ def test_rope_rejects_bad_input():
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("Hq,Hkv,D,dims", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 2, 128, 128)])
+@pytest.mark.parametrize("Hq,Hkv,D,dims", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 2, 128, 128),
+                                          (4, 1, 256, 256), (8, 4, 256, 128)])
 def test_qkv_rope_matches_reference(dtype, norm, Hq, Hkv, D, dims):
     qkv = mx.random.normal((2, 3, (Hq + 2 * Hkv) * D)).astype(dtype)
     positions = mx.array([[0, 1, 2], [40, 41, 900]], dtype=mx.int32)
@@ -115,3 +116,28 @@ def test_qkv_rope_rejects_bad_input():
         ops.qkv_rope(mx.zeros((2, 100)), mx.zeros((2,), mx.int32), 4, 2, 16, 16)
     with pytest.raises(ValueError, match="q_norm and k_norm"):
         ops.qkv_rope(mx.zeros((2, 128)), mx.zeros((2,), mx.int32), 4, 2, 16, 16, q_norm=mx.ones((16,)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_qkv_rope_head_dim_256_gemma3(dtype):
+    """Gemma 3's shapes: head dim 256, 4 query heads on 1 kv head, per-head q/k
+    RMSNorm, base 10k (sliding layers) and 1M with linear scaling 1/8 (full
+    layers), long positions; against the reference and against mx.fast.rope."""
+    Hq, Hkv, D = 4, 1, 256
+    qkv = mx.random.normal((5, (Hq + 2 * Hkv) * D)).astype(dtype)
+    positions = mx.array([0, 1, 511, 4095, 30000], dtype=mx.int32)
+    norms = dict(q_norm=(mx.random.normal((D,)) + 1).astype(dtype),
+                 k_norm=(mx.random.normal((D,)) + 1).astype(dtype), eps=1e-6)
+    tol = max(TOL[dtype] * 8, 3e-7 * 30000)
+    for kw in ({"base": 10000.0, "scale": 1.0}, {"base": 1000000.0, "scale": 0.125}):
+        got = ops.qkv_rope(qkv, positions, Hq, Hkv, D, D, **kw, **norms)
+        want = ops.qkv_rope_reference(qkv, positions, Hq, Hkv, D, D, **kw, **norms)
+        for g, w in zip(got, want):
+            assert mx.allclose(g.astype(mx.float32), w.astype(mx.float32), atol=tol, rtol=tol).item()
+        plain = ops.qkv_rope(qkv, positions, Hq, Hkv, D, D, **kw)
+        heads = qkv.reshape(5, Hq + 2 * Hkv, D)
+        for t in range(5):
+            mlx_q = _mlx_rope(heads[None, t:t + 1, :Hq], positions[t], D, traditional=False, **kw)
+            assert mx.allclose(plain[0][t].astype(mx.float32), mlx_q[0, 0].astype(mx.float32),
+                               atol=tol, rtol=tol).item()
+        assert mx.array_equal(plain[2], heads[:, Hq + Hkv:]).item()  # v passes through

@@ -10,7 +10,9 @@
 // (codes -> scale*code+bias, or TurboQuant w*c[code] in the rotated domain)
 // shared by all G*tile query rows; the dense pool is never materialized.
 // TurboQuant values are accumulated in the rotated domain and rotated back
-// once per (token, head) after the merge.
+// once per (token, head) after the merge. Sliding window (window > 0): a
+// tile's chunks start at the block of its earliest window start, so earlier
+// table entries are never read; keys before a row's start are masked.
 //
 // ODR: compiled with different ISA flags per file; everything defined here
 // lives in an anonymous namespace (via paged_attention.h's helpers too).
@@ -86,6 +88,7 @@ struct AttnArgs {
   const float* codebook;
   int64_t T, S, B, num_slots;
   int Hq, Hkv, bs;
+  int window;             // 0: full causal; W > 0: keys pos - W < j <= pos
   float scale;
   DType q_dtype;
   Fmt f;
@@ -417,10 +420,11 @@ struct Kernels {
     if (f.vturbo) std::memcpy(cbp, a.codebook, sizeof(float) * (1 << f.vbits));
     float* part = c.parts + it.part;  // [rows][D + 2]: acc, m, l
     const size_t qes = pa::elem_size(a.q_dtype);
-    int64_t qpos[pa::kTile];
+    int64_t qpos[pa::kTile], qlo[pa::kTile];
     const int32_t s = a.seq_idx[t0];
     for (int j = 0; j < nq; ++j) {
       int64_t p = a.pos[t0 + j];
+      qlo[j] = pa::key_lo(a.window, p);
       if (p > a.B * bs - 1) p = a.B * bs - 1;
       qpos[j] = p;
       for (int g = 0; g < G; ++g) {
@@ -473,7 +477,7 @@ struct Kernels {
               for (int i = 0; i < nk; ++i) sr[i] += qd * kd[i];
             }
             for (int i = 0; i < nk; ++i)
-              if (key0 + i > qpos[j]) sr[i] = -INFINITY;
+              if ((key0 + i > qpos[j]) | (key0 + i < qlo[j])) sr[i] = -INFINITY;
           }
       } else {
         for (int j = 0; j < nq; ++j)
@@ -482,8 +486,9 @@ struct Kernels {
             const float* qr = qf + static_cast<size_t>(r) * D;
             float* sr = sc + static_cast<size_t>(r) * bs;
             for (int i = 0; i < nk; ++i)
-              sr[i] = key0 + i <= qpos[j] ? dotw<W>(qr, kblk + static_cast<size_t>(i) * D, D)
-                                          : -INFINITY;
+              sr[i] = (key0 + i <= qpos[j]) & (key0 + i >= qlo[j])
+                          ? dotw<W>(qr, kblk + static_cast<size_t>(i) * D, D)
+                          : -INFINITY;
           }
       }
       // values of the block (rotated domain for TurboQuant)
@@ -591,39 +596,48 @@ struct Kernels {
     for (int64_t t = 0; t < a.T; ++t)
       if (t == 0 || a.seq_idx[t] != a.seq_idx[t - 1] || t - tiles[nt - 1] >= pa::kTile) tiles[nt++] = t;
     tiles[nt] = a.T;
-    // key blocks per tile and the chunk size: enough items for every thread
+    // key blocks per tile [fblk, nblk) (fblk: the block of the tile's earliest
+    // window start) and the chunk size: enough items for every thread
     int64_t total_blocks = 0;
-    int32_t* nblk = static_cast<int32_t*>(std::malloc(sizeof(int32_t) * (nt + 1)));
+    int32_t* nblk = static_cast<int32_t*>(std::malloc(sizeof(int32_t) * 2 * (nt + 1)));
+    int32_t* fblk = nblk + nt + 1;
     for (int64_t i = 0; i < nt; ++i) {
-      int64_t last = 0;
+      int64_t last = 0, lo_min = INT64_MAX;
       for (int64_t t = tiles[i]; t < tiles[i + 1]; ++t) {
         int64_t p = a.pos[t];
+        const int64_t lo = pa::key_lo(a.window, p);
+        lo_min = lo < lo_min ? lo : lo_min;
         if (p > a.B * bs - 1) p = a.B * bs - 1;
         last = p + 1 > last ? p + 1 : last;
       }
       nblk[i] = static_cast<int32_t>((last + bs - 1) / bs);
-      total_blocks += nblk[i];
+      fblk[i] = static_cast<int32_t>(lo_min / bs < nblk[i] ? lo_min / bs : nblk[i]);
+      total_blocks += nblk[i] - fblk[i];
     }
     const int threads = num_threads_hint();
     int64_t chunk = (total_blocks * a.Hkv + 8 * threads - 1) / (8 * threads);  // in blocks
     const int64_t min_chunk = (256 + bs - 1) / bs;
     if (chunk < min_chunk) chunk = min_chunk;
     int64_t n_items = 0;
-    for (int64_t i = 0; i < nt; ++i) n_items += a.Hkv * (nblk[i] > 0 ? (nblk[i] + chunk - 1) / chunk : 1);
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t nb = nblk[i] - fblk[i];
+      n_items += a.Hkv * (nb > 0 ? (nb + chunk - 1) / chunk : 1);
+    }
     Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * n_items));
     int64_t* first = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (nt * a.Hkv + 1)));
     int64_t k = 0, off = 0;
     for (int64_t i = 0; i < nt; ++i) {
       const int rows = static_cast<int>(tiles[i + 1] - tiles[i]) * G;
-      const int64_t nc = nblk[i] > 0 ? (nblk[i] + chunk - 1) / chunk : 1;
+      const int64_t nb = nblk[i] - fblk[i];
+      const int64_t nc = nb > 0 ? (nb + chunk - 1) / chunk : 1;
       for (int kh = 0; kh < a.Hkv; ++kh) {
         first[i * a.Hkv + kh] = k;
         for (int64_t ci = 0; ci < nc; ++ci) {
           Item& it = items[k++];
           it.tile = i;
           it.kh = kh;
-          it.b0 = static_cast<int32_t>(ci * chunk);
-          it.b1 = static_cast<int32_t>((ci + 1) * chunk < nblk[i] ? (ci + 1) * chunk : nblk[i]);
+          it.b0 = static_cast<int32_t>(fblk[i] + ci * chunk);
+          it.b1 = static_cast<int32_t>((ci + 1) * chunk < nb ? fblk[i] + (ci + 1) * chunk : nblk[i]);
           it.part = off;
           off += static_cast<int64_t>(rows) * (D + 2);
         }

@@ -2,8 +2,11 @@
 //
 // For each query token t (sequence seq_idx[t], position pos[t]) and each query
 // head h: softmax(scale * q[t,h] . K[j]) . V[j] over keys j = 0..pos[t] of its
-// sequence, where key j lives in slot tables[seq][j / bs] * bs + j % bs of the
-// pools ([num_slots, Hkv, D]). GQA: head h reads kv head h / (Hq / Hkv).
+// sequence (with a sliding window W > 0: pos[t] - W < j <= pos[t]), where key j
+// lives in slot tables[seq][j / bs] * bs + j % bs of the pools
+// ([num_slots, Hkv, D]). GQA: head h reads kv head h / (Hq / Hkv).
+// Window: a tile reads blocks from (min over its queries of key_lo) / bs on;
+// table entries of earlier blocks are never read (they may hold anything).
 // float32 accumulation, online softmax one block at a time. Work items are
 // (token, kv head): the G query heads that share a kv head read each K/V row
 // once.
@@ -43,6 +46,7 @@ struct Args {
   const int32_t* pos;      // [T]
   int64_t T, S, B, num_slots;
   int Hq, Hkv, D, Dv, bs;
+  int window;           // 0: full causal; W > 0: keys pos - W < j <= pos
   float scale;
   DType q_dtype, kv_dtype;
 };
@@ -108,6 +112,14 @@ inline void scal(float* y, float a, int n) {
 
 inline size_t elem_size(DType d) { return d == F32 ? 4 : 2; }
 
+// First key a query at position p attends: 0 without a window, else
+// max(0, p - window + 1). (Its last key is min(p, B * bs - 1).)
+inline int64_t key_lo(int window, int64_t p) {
+  if (window <= 0) return 0;
+  const int64_t lo = p - window + 1;
+  return lo > 0 ? lo : 0;
+}
+
 // out[t0 + r / G][kh * G + r % G] = acc[r] / l[r] for the tile's rows r
 // (a row that saw no key gets zeros), in the output dtype.
 inline void write_rows(const Args& a, int64_t t0, int kh, int rows, const float* acc,
@@ -170,7 +182,7 @@ struct Kernel {
     float* l = m + R;
     float* kbuf = l + R;
     float* vbuf = kbuf + D;
-    int64_t qpos[kTile];
+    int64_t qpos[kTile], qlo[kTile];
     const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;   // bytes between K rows
     const int64_t vrow = static_cast<int64_t>(a.Hkv) * Dv * kes;
     const int64_t NT = c.n_tiles;
@@ -184,9 +196,11 @@ struct Kernel {
       const int nq = static_cast<int>(t1 - t0);
       const int32_t s = a.seq_idx[t0];
       const bool valid = s >= 0 && s < a.S;
-      int64_t n_keys = 0;
+      int64_t n_keys = 0, lo_min = INT64_MAX;
       for (int j = 0; j < nq; ++j) {
         int64_t p = static_cast<int64_t>(a.pos[t0 + j]);
+        qlo[j] = key_lo(a.window, p);
+        lo_min = qlo[j] < lo_min ? qlo[j] : lo_min;
         if (p > a.B * bs - 1) p = a.B * bs - 1;
         qpos[j] = p;
         if (p + 1 > n_keys) n_keys = p + 1;
@@ -208,7 +222,7 @@ struct Kernel {
         const int64_t nblk = (n_keys + bs - 1) / bs;
         const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
         const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * Dv * kes;
-        for (int64_t b = 0; b < nblk; ++b) {
+        for (int64_t b = lo_min / bs; b < nblk; ++b) {  // blocks before every window: unread
           const int64_t blk = table[b];
           if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
           if (b + 1 < nblk) {
@@ -223,7 +237,7 @@ struct Kernel {
           for (int i = 0; i < nk; ++i) {
             const float* kr = load_row(kbase + (blk * bs + i) * krow, a.kv_dtype, D, kbuf);
             for (int j = 0; j < nq; ++j) {
-              const bool ok = key0 + i <= qpos[j];
+              const bool ok = (key0 + i <= qpos[j]) & (key0 + i >= qlo[j]);
               for (int g = 0; g < G; ++g) {
                 const int r = j * G + g;
                 sc[r * bs + i] = ok ? dot<W>(qf + static_cast<size_t>(r) * D, kr, D) : -INFINITY;
@@ -234,7 +248,7 @@ struct Kernel {
             float* sg = sc + r * bs;
             float mb = -INFINITY;
             for (int i = 0; i < nk; ++i) mb = sg[i] > mb ? sg[i] : mb;
-            if (mb == -INFINITY) {  // every key of this block is in this query's future
+            if (mb == -INFINITY) {  // every key of this block is outside this query's range
               for (int i = 0; i < nk; ++i) sg[i] = 0.f;
               continue;
             }

@@ -1,16 +1,20 @@
 // Paged attention compiled with AVX-512 (see paged_attention.h).
 //
-// Prefill tiles (at least 16 query rows: tokens x heads sharing a kv head)
-// with head dims 64 or 128 take a register-blocked path; everything else
-// (decode rows, other head dims) runs the generic kernel.
+// Tiles with head dims 64, 128 or 256 take register-blocked paths: prefill
+// tiles (at least 16 query rows: tokens x heads sharing a kv head) and decode
+// tiles (fewer rows); other head dims run the generic kernel.
 //   scores: S[key][row] = K . Q^T with Q transposed once per tile, so each
 //     vector holds 16 query rows of one key (4 keys x up to 3 row vectors
 //     in registers per pass over d). The causal mask, the block maximum and
 //     exp (vectorised: cpu/vec_exp.h) all run
 //     across rows in those vectors.
 //   values: acc[row][:] += P[key][row] * V[key][:], a few rows' accumulators
-//     in registers per pass over the block's keys.
+//     (a chunk of their columns at head dim 256) in registers per pass over
+//     the block's keys.
 // Same online softmax per block as the generic kernel, float32 throughout.
+// Sliding window: keys before a row's window start are masked like future
+// keys, and a tile starts at the block holding its earliest window start
+// (earlier table entries are never read).
 #include <immintrin.h>
 
 #include "common/scratch.h"
@@ -35,10 +39,11 @@ inline __m512 load16(const char* p, DType dt) {
 }
 
 // S[i][c*16 ..] for keys i0 .. i0+3 (kb: their rows in fp32, [4][D]) and
-// row vectors c0 .. c0+NC-1; keys past the query's position get -inf.
+// row vectors c0 .. c0+NC-1; keys past the query's position or before its
+// window start (qlo) get -inf.
 template <int D, int NC>
 inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const int32_t* qpos,
-                     int64_t key, int nvalid, float* S) {
+                     const int32_t* qlo, int64_t key, int nvalid, float* S) {
   __m512 acc[4][NC];
   for (int j = 0; j < 4; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
@@ -55,8 +60,9 @@ inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const
     const __m512i kidx = _mm512_set1_epi32(static_cast<int>(key + j));
     for (int c = 0; c < NC; ++c) {
       const __m512i qp = _mm512_load_si512(qpos + (c0 + c) * 16);
-      const __mmask16 future = _mm512_cmpgt_epi32_mask(kidx, qp);
-      _mm512_store_ps(S + j * Rp + (c0 + c) * 16, _mm512_mask_mov_ps(acc[j][c], future, ninf));
+      const __m512i ql = _mm512_load_si512(qlo + (c0 + c) * 16);
+      const __mmask16 out = _mm512_cmpgt_epi32_mask(kidx, qp) | _mm512_cmplt_epi32_mask(kidx, ql);
+      _mm512_store_ps(S + j * Rp + (c0 + c) * 16, _mm512_mask_mov_ps(acc[j][c], out, ninf));
     }
   }
 }
@@ -87,30 +93,33 @@ struct SpanSeg {
   int nk, off;
 };
 
-// acc rows r0 .. r0+RG-1 ([R][DV] in memory) = alpha * acc + P^T V over the
-// keys of every segment, P[key i of a segment][row r] at
-// S[(seg.off + i) * si + r * sr]; the rows' outputs stay in registers across
-// the segments (a decode span's blocks, or a prefill tile's one block).
-template <int DV, int RG>
+// Columns c0 .. c0+DC-1 of acc rows r0 .. r0+RG-1 ([R][DV] in memory) =
+// alpha * acc + P^T V over the keys of every segment, P[key i of a
+// segment][row r] at S[(seg.off + i) * si + r * sr]; the rows' outputs stay
+// in registers across the segments (a decode span's blocks, or a prefill
+// tile's one block).
+template <int DV, int DC, int RG>
 inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSeg* segs,
-                    int nseg, const float* S, int64_t si, int64_t sr, int r0, int rg,
+                    int nseg, const float* S, int64_t si, int64_t sr, int r0, int rg, int c0,
                     const float* alpha, float* acc) {
   if constexpr (RG > 1) {
     if (rg < RG) {
-      return pv_span<DV, RG - 1>(a, vbase, vrow, segs, nseg, S, si, sr, r0, rg, alpha, acc);
+      return pv_span<DV, DC, RG - 1>(a, vbase, vrow, segs, nseg, S, si, sr, r0, rg, c0, alpha,
+                                     acc);
     }
   }
-  constexpr int NV = DV / 16;
+  constexpr int NV = DC / 16;
   __m512 o[RG][NV];
   for (int r = 0; r < RG; ++r) {
     const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
-    for (int v = 0; v < NV; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_load_ps(acc + (r0 + r) * DV + v * 16));
+    for (int v = 0; v < NV; ++v)
+      o[r][v] = _mm512_mul_ps(al, _mm512_load_ps(acc + (r0 + r) * DV + c0 + v * 16));
   }
   const int es = a.kv_dtype == F32 ? 4 : 2;
   for (int sg = 0; sg < nseg; ++sg) {
     const SpanSeg& seg = segs[sg];
     for (int i = 0; i < seg.nk; ++i) {
-      const char* vp = vbase + (seg.slot0 + i) * vrow;
+      const char* vp = vbase + (seg.slot0 + i) * vrow + c0 * es;
       __m512 vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, a.kv_dtype);
       for (int r = 0; r < RG; ++r) {
@@ -120,7 +129,27 @@ inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSe
     }
   }
   for (int r = 0; r < RG; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + r) * DV + v * 16, o[r][v]);
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + r) * DV + c0 + v * 16, o[r][v]);
+}
+
+// Register blocking of P.V per head dim: DC columns x RG rows of
+// accumulators (RG * DC / 16 + DC / 16 <= 28 of the 32 vector registers).
+template <int DV> struct PvCfg;
+template <> struct PvCfg<64> { static constexpr int DC = 64, RG = 6; };
+template <> struct PvCfg<128> { static constexpr int DC = 128, RG = 3; };
+template <> struct PvCfg<256> { static constexpr int DC = 64, RG = 6; };
+
+// pv_span over all R rows and all DV columns.
+template <int DV>
+inline void pv_rows(const Args& a, const char* vbase, int64_t vrow, const SpanSeg* segs, int nseg,
+                    const float* S, int64_t si, int64_t sr, int R, const float* alpha,
+                    float* acc) {
+  constexpr int DC = PvCfg<DV>::DC, RG = PvCfg<DV>::RG;
+  for (int r0 = 0; r0 < R; r0 += RG) {
+    const int rg = R - r0 < RG ? R - r0 : RG;
+    for (int c0 = 0; c0 < DV; c0 += DC)
+      pv_span<DV, DC, RG>(a, vbase, vrow, segs, nseg, S, si, sr, r0, rg, c0, alpha, acc);
+  }
 }
 
 // Tiles of fewer than 16 query rows (decode: one token x the kv head's
@@ -131,14 +160,14 @@ inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSe
 // the max/exp/sum reductions and the accumulator rescale as on the keys.
 constexpr int kDecodeSpan = 256;
 
-// Blocks [b_begin, b_end) of the context (b_end < 0: to its end). With
-// `part`, the unnormalised state is stored there, [R][D] acc then m [R] and
-// l [R], for split_decode to merge; otherwise the rows are written out.
+// Blocks [b_begin, b_end) of the context (b_end < 0: to its end; blocks
+// before the tile's earliest window start are never read). With `part`, the
+// unnormalised state is stored there, [R][D] acc then m [R] and l [R], for
+// split_decode to merge; otherwise the rows are written out.
 template <int D>
 void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin = 0,
                  int64_t b_end = -1, float* part = nullptr) {
   constexpr int NV = D / 16;
-  constexpr int RG = D == 64 ? 6 : 3;
   const int G = a.Hq / a.Hkv, bs = a.bs;
   const int nq = static_cast<int>(t1 - t0), R = nq * G;  // R < 16
   const int span_blocks = bs >= kDecodeSpan ? 1 : kDecodeSpan / bs;
@@ -154,12 +183,14 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
   float* alpha = l + 16;
   float* kb = alpha + 16;
   SpanSeg* segs = reinterpret_cast<SpanSeg*>(kb + 16 * D);
-  int64_t qpos[16];
+  int64_t qpos[16], qlo[16];
   const int32_t s = a.seq_idx[t0];
   const bool valid = s >= 0 && s < a.S;
-  int64_t n_keys = 0;
+  int64_t n_keys = 0, lo_min = INT64_MAX;
   for (int j = 0; j < nq; ++j) {
     int64_t p = a.pos[t0 + j];
+    qlo[j] = key_lo(a.window, p);
+    lo_min = qlo[j] < lo_min ? qlo[j] : lo_min;
     if (p > a.B * bs - 1) p = a.B * bs - 1;
     qpos[j] = p;
     if (p + 1 > n_keys) n_keys = p + 1;
@@ -185,7 +216,8 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int64_t be = b_end < 0 || b_end > nblk ? nblk : b_end;
-    for (int64_t b0 = b_begin; b0 < be; b0 += span_blocks) {
+    const int64_t bb = b_begin > lo_min / bs ? b_begin : lo_min / bs;
+    for (int64_t b0 = bb; b0 < be; b0 += span_blocks) {
       const int64_t b1 = b0 + span_blocks < be ? b0 + span_blocks : be;
       int nseg = 0, n = 0;  // n: scores in the span so far
       for (int64_t b = b0; b < b1; ++b) {
@@ -224,8 +256,11 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
               }
               part[k] = p;
             }
-            const __mmask16 ok = _mm512_mask_cmple_epi32_mask(
+            __mmask16 ok = _mm512_mask_cmple_epi32_mask(
                 in_block, kidx, _mm512_set1_epi32(static_cast<int>(qpos[r / G])));
+            if (a.window > 0)
+              ok = _mm512_mask_cmpge_epi32_mask(ok, kidx,
+                                                _mm512_set1_epi32(static_cast<int>(qlo[r / G])));
             // Lanes past the block's keys are overwritten by the next block's.
             _mm512_storeu_ps(St + r * spanp + n + i0, _mm512_mask_mov_ps(ninf, ok, reduce16x16(part)));
           }
@@ -258,10 +293,7 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
         m[r] = mn;
       }
-      for (int r0 = 0; r0 < R; r0 += RG) {
-        const int rg = R - r0 < RG ? R - r0 : RG;
-        pv_span<D, RG>(a, vbase, vrow, segs, nseg, St, 1, spanp, r0, rg, alpha, acc);
-      }
+      pv_rows<D>(a, vbase, vrow, segs, nseg, St, 1, spanp, R, alpha, acc);
     }
   }
   if (part == nullptr) {
@@ -276,32 +308,36 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
 template <int D>
 void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
   constexpr int DV = D;
-  constexpr int RG = DV == 64 ? 6 : 3;  // rows per P.V pass: 24 accumulators
   const int G = a.Hq / a.Hkv, bs = a.bs;
   const int nq = static_cast<int>(t1 - t0), R = nq * G;
   const int RC = (R + 15) / 16;
   const int64_t Rp = static_cast<int64_t>(RC) * 16;
   const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = a.kv_dtype == F32 ? 4 : 2;
-  // scratch: Qt [D][Rp], S [bs][Rp], acc [R][DV], m, l, alpha [Rp], kb [4][D], qpos [Rp]
-  float* qt = tl_buf.get(static_cast<size_t>(D * Rp + bs * Rp + R * DV + 4 * Rp + 4 * D));
+  // scratch: Qt [D][Rp], S [bs][Rp], acc [R][DV], m, l, alpha [Rp], qpos, qlo [Rp] int32,
+  // kb [4][D]
+  float* qt = tl_buf.get(static_cast<size_t>(D * Rp + bs * Rp + R * DV + 5 * Rp + 4 * D));
   float* S = qt + D * Rp;
   float* acc = S + bs * Rp;
   float* m = acc + static_cast<size_t>(R) * DV;
   float* l = m + Rp;
   float* alpha = l + Rp;
   int32_t* qpos = reinterpret_cast<int32_t*>(alpha + Rp);
-  float* kb = alpha + 2 * Rp;
+  int32_t* qlo = qpos + Rp;
+  float* kb = alpha + 3 * Rp;
 
   const int32_t s = a.seq_idx[t0];
   const bool valid = s >= 0 && s < a.S;
-  int64_t n_keys = 0;
+  int64_t n_keys = 0, lo_min = INT64_MAX;
   for (int r = 0; r < Rp; ++r) {
-    int64_t p = -1;
+    int64_t p = -1, lo = 0;
     if (r < R) {
       p = a.pos[t0 + r / G];
+      lo = key_lo(a.window, p);
+      lo_min = lo < lo_min ? lo : lo_min;
       if (p > a.B * bs - 1) p = a.B * bs - 1;
     }
     qpos[r] = static_cast<int32_t>(p);
+    qlo[r] = static_cast<int32_t>(lo);  // lo <= p, an int32 position
     if (p + 1 > n_keys) n_keys = p + 1;
   }
   for (int r = 0; r < Rp; ++r) {
@@ -326,7 +362,7 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
     const int64_t vrow = static_cast<int64_t>(a.Hkv) * DV * kes;
     const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
     const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * DV * kes;
-    for (int64_t b = 0; b < nblk; ++b) {
+    for (int64_t b = lo_min / bs; b < nblk; ++b) {  // blocks before every window: unread
       const int64_t blk = table[b];
       if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
       const int64_t key0 = b * bs;
@@ -342,9 +378,10 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
           }
         }
         int c = 0;
-        for (; c + 3 <= RC; c += 3) qk_keys4<D, 3>(kb, qt, Rp, c, qpos, key0 + i0, nv, S + i0 * Rp);
-        if (RC - c == 2) qk_keys4<D, 2>(kb, qt, Rp, c, qpos, key0 + i0, nv, S + i0 * Rp);
-        if (RC - c == 1) qk_keys4<D, 1>(kb, qt, Rp, c, qpos, key0 + i0, nv, S + i0 * Rp);
+        for (; c + 3 <= RC; c += 3)
+          qk_keys4<D, 3>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
+        if (RC - c == 2) qk_keys4<D, 2>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
+        if (RC - c == 1) qk_keys4<D, 1>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
       }
       const __m512 ninf = _mm512_set1_ps(-INFINITY);
       for (int c = 0; c < RC; ++c) {
@@ -370,10 +407,7 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
         _mm512_store_ps(alpha + c * 16, al);
       }
       const SpanSeg seg{blk * bs, nk, 0};
-      for (int r0 = 0; r0 < R; r0 += RG) {
-        const int rg = R - r0 < RG ? R - r0 : RG;
-        pv_span<DV, RG>(a, vbase, vrow, &seg, 1, S, Rp, 1, r0, rg, alpha, acc);
-      }
+      pv_rows<DV>(a, vbase, vrow, &seg, 1, S, Rp, 1, R, alpha, acc);
     }
   }
   write_rows(a, t0, kh, R, acc, l);
@@ -384,12 +418,15 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
 // time), so each head's blocks are split into ranges of whole spans, run in
 // parallel, and the partial softmax states merged (flash-decoding).
 constexpr int64_t kSplitMinKeys = 1024;
+// Head dim 256 costs 4x per key what 64 does: splitting pays from 256 keys
+// (a 512-key sliding window, 1 kv head: 1.7x on 2 threads, measured).
+constexpr int64_t kSplitMinKeys256 = 256;
 constexpr int kSplitItems = 8;
 thread_local Scratch tl_part;
 
 struct SplitCtx {
   const Args* a;
-  int64_t blocks_per_split;
+  int64_t first_block, blocks_per_split;
   int splits, R;
   float* parts;  // [Hkv][splits][R * D + 2R]
 };
@@ -399,7 +436,8 @@ void split_range(void* vctx, int64_t i0, int64_t i1) {
   const SplitCtx& c = *static_cast<const SplitCtx*>(vctx);
   for (int64_t i = i0; i < i1; ++i) {
     const int kh = static_cast<int>(i / c.splits), sp = static_cast<int>(i % c.splits);
-    decode_tile<D>(*c.a, 0, 1, kh, sp * c.blocks_per_split, (sp + 1) * c.blocks_per_split,
+    decode_tile<D>(*c.a, 0, 1, kh, c.first_block + sp * c.blocks_per_split,
+                   c.first_block + (sp + 1) * c.blocks_per_split,
                    c.parts + i * (c.R * D + 2 * c.R));
   }
 }
@@ -411,18 +449,20 @@ bool split_decode(const Args& a) {
   const int32_t s = a.seq_idx[0];
   if (s < 0 || s >= a.S) return false;
   int64_t p = a.pos[0];
+  const int64_t lo = key_lo(a.window, p);
   if (p > a.B * bs - 1) p = a.B * bs - 1;
-  const int64_t n_keys = p + 1;
-  if (n_keys < kSplitMinKeys) return false;
+  if (p - lo + 1 < (D >= 256 ? kSplitMinKeys256 : kSplitMinKeys)) return false;  // keys in range
+  // Split the blocks from the window's first one (earlier ones are never read).
+  const int64_t b_first = lo / bs, n_blocks = p / bs + 1 - b_first;
   const int64_t span_blocks = bs >= kDecodeSpan ? 1 : kDecodeSpan / bs;
-  const int64_t spans = ((n_keys + bs - 1) / bs + span_blocks - 1) / span_blocks;
+  const int64_t spans = (n_blocks + span_blocks - 1) / span_blocks;
   int splits = (kSplitItems + a.Hkv - 1) / a.Hkv;
   if (splits > spans) splits = static_cast<int>(spans);
   const int R = G, stride = R * D + 2 * R;
-  SplitCtx c{&a, (spans + splits - 1) / splits * span_blocks, splits, R,
+  SplitCtx c{&a, b_first, (spans + splits - 1) / splits * span_blocks, splits, R,
              tl_part.get(static_cast<size_t>(a.Hkv) * splits * stride)};
   parallel(static_cast<int64_t>(a.Hkv) * splits, 1, &split_range<D>, &c);
-  float acc[16 * 128], l[16];
+  float acc[16 * D], l[16];
   for (int kh = 0; kh < a.Hkv; ++kh) {
     const float* pk = c.parts + static_cast<int64_t>(kh) * splits * stride;
     for (int r = 0; r < R; ++r) {
@@ -448,21 +488,27 @@ bool split_decode(const Args& a) {
   return true;
 }
 
-bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
-  if (a.D != a.Dv || (a.D != 64 && a.D != 128)) return false;
+template <int D>
+void item(const Args& a, int64_t t0, int64_t t1, int kh) {
   const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
-  if (a.D == 64) {
-    prefill ? tile<64>(a, t0, t1, kh) : decode_tile<64>(a, t0, t1, kh);
-  } else {
-    prefill ? tile<128>(a, t0, t1, kh) : decode_tile<128>(a, t0, t1, kh);
+  prefill ? tile<D>(a, t0, t1, kh) : decode_tile<D>(a, t0, t1, kh);
+}
+
+bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
+  if (a.D != a.Dv) return false;
+  switch (a.D) {
+    case 64: item<64>(a, t0, t1, kh); return true;
+    case 128: item<128>(a, t0, t1, kh); return true;
+    case 256: item<256>(a, t0, t1, kh); return true;
+    default: return false;
   }
-  return true;
 }
 
 }  // namespace
 
 void run_avx512(const Args& a) {
-  if (a.D == a.Dv && ((a.D == 64 && split_decode<64>(a)) || (a.D == 128 && split_decode<128>(a)))) {
+  if (a.D == a.Dv && ((a.D == 64 && split_decode<64>(a)) || (a.D == 128 && split_decode<128>(a)) ||
+                      (a.D == 256 && split_decode<256>(a)))) {
     return;
   }
   Kernel<16>::run(a, &fast_item);

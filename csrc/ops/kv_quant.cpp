@@ -174,9 +174,11 @@ mx::array kv_quant_paged_attention(const mx::array& q, const mx::array& packed,
                                    const mx::array& positions, const mx::array& signs,
                                    const mx::array& codebook, float scale, int block_size,
                                    int head_dim, int k_bits, int v_bits, int group_size,
-                                   bool v_turbo, mx::StreamOrDevice s) {
+                                   bool v_turbo, int window, mx::StreamOrDevice s) {
   const char* op = "kv_quant_paged_attention";
   auto p = check_params(op, head_dim, k_bits, v_bits, group_size, v_turbo);
+  if (window < 0)
+    fail(op, "window must be >= 0 (0: full causal attention), got " + std::to_string(window) + ".");
   check_tables(op, signs, codebook, p);
   if (q.ndim() != 3 || q.shape(2) != head_dim)
     fail(op, "q must be [T, Hq, head_dim], got " + shape_str(q) + ".");
@@ -199,7 +201,8 @@ mx::array kv_quant_paged_attention(const mx::array& q, const mx::array& packed,
   for (auto* a : {&q, &packed, &block_tables, &seq_idx, &positions, &signs, &codebook})
     in.push_back(mx::contiguous(*a, false, stream));
   return mx::array(q.shape(), q.dtype(),
-                   std::make_shared<KVQuantAttention>(stream, p, scale, block_size), std::move(in));
+                   std::make_shared<KVQuantAttention>(stream, p, scale, block_size, window),
+                   std::move(in));
 }
 
 void KVQuantAttention::eval_cpu(const std::vector<mx::array>& inputs,
@@ -225,6 +228,7 @@ void KVQuantAttention::eval_cpu(const std::vector<mx::array>& inputs,
   a.num_slots = inputs[1].shape(0);
   a.Hkv = inputs[1].shape(1);
   a.bs = block_size_;
+  a.window = window_;
   a.scale = scale_;
   a.q_dtype = to_pa(inputs[0].dtype());
   a.f = fmt_of(p_);

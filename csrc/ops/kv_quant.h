@@ -36,13 +36,15 @@ std::vector<mx::array> kv_quant_dequant(const mx::array& packed, const mx::array
                                         mx::Dtype dtype, mx::StreamOrDevice s = {});
 
 // q [T, Hq, D]; packed [num_slots, Hkv, row_bytes]; block_tables [S, B],
-// seq_idx [T], positions [T] int32 (as paged_attention). -> [T, Hq, D] in q's dtype.
+// seq_idx [T], positions [T] int32, window (0: full causal; W > 0: keys
+// positions[t] - W < j <= positions[t], earlier blocks' table entries never
+// read) as paged_attention. -> [T, Hq, D] in q's dtype.
 mx::array kv_quant_paged_attention(const mx::array& q, const mx::array& packed,
                                    const mx::array& block_tables, const mx::array& seq_idx,
                                    const mx::array& positions, const mx::array& signs,
                                    const mx::array& codebook, float scale, int block_size,
                                    int head_dim, int k_bits, int v_bits, int group_size,
-                                   bool v_turbo, mx::StreamOrDevice s = {});
+                                   bool v_turbo, int window = 0, mx::StreamOrDevice s = {});
 
 class KVQuantEncode : public mx::Primitive {
  public:
@@ -74,20 +76,22 @@ class KVQuantDequant : public mx::Primitive {
 
 class KVQuantAttention : public mx::Primitive {
  public:
-  KVQuantAttention(mx::Stream stream, KVQuantParams p, float scale, int block_size)
-      : mx::Primitive(stream), p_(p), scale_(scale), block_size_(block_size) {}
+  KVQuantAttention(mx::Stream stream, KVQuantParams p, float scale, int block_size, int window)
+      : mx::Primitive(stream), p_(p), scale_(scale), block_size_(block_size), window_(window) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "MlxfastKVQuantAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const KVQuantAttention&>(other);
-    return p_ == o.p_ && scale_ == o.scale_ && block_size_ == o.block_size_;
+    return p_ == o.p_ && scale_ == o.scale_ && block_size_ == o.block_size_ &&
+           window_ == o.window_;
   }
 
  private:
   KVQuantParams p_;
   float scale_;
   int block_size_;
+  int window_;
 };
 
 } // namespace mlxfast

@@ -55,8 +55,11 @@ mx::Shape attention_shape(const mx::array& q, int Dv, bool merge_heads) {
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
                           const mx::array& v_pool, const mx::array& block_tables,
                           const mx::array& seq_idx, const mx::array& positions,
-                          float scale, int block_size, bool merge_heads, mx::StreamOrDevice s) {
+                          float scale, int block_size, bool merge_heads, int window,
+                          mx::StreamOrDevice s) {
   const char* op = "paged_attention";
+  if (window < 0)
+    fail(op, "window must be >= 0 (0: full causal attention), got " + std::to_string(window) + ".");
   if (q.ndim() < 3) fail(op, "q must be [..., Hq, D] (e.g. [T, Hq, D]), got " + shape_str(q) + ".");
   if (k_pool.ndim() != 3 || v_pool.ndim() != 3)
     fail(op, "k_pool and v_pool must be [num_slots, Hkv, D].");
@@ -85,7 +88,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
   // instead of adding a Contiguous node per input per call.
   std::vector<mx::array> in = {q, k_pool, v_pool, block_tables, seq_idx, positions};
   return mx::array(attention_shape(q, v_pool.shape(2), merge_heads), q.dtype(),
-                   std::make_shared<PagedAttention>(stream, scale, block_size, merge_heads),
+                   std::make_shared<PagedAttention>(stream, scale, block_size, merge_heads, window),
                    std::move(in));
 }
 
@@ -119,6 +122,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
   a.D = inputs[0].shape(-1);
   a.Dv = inputs[2].shape(2);
   a.bs = block_size_;
+  a.window = window_;
   a.scale = scale_;
   a.q_dtype = to_pa(inputs[0].dtype());
   a.kv_dtype = to_pa(inputs[1].dtype());

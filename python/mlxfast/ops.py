@@ -513,6 +513,7 @@ def paged_attention_reference(
     scale: float,
     block_size: int,
     merge_heads: bool = False,
+    window: int = 0,
 ) -> mx.array:
     """Pure-MLX paged attention (the native kernel's oracle; memory ~T x context).
 
@@ -521,18 +522,36 @@ def paged_attention_reference(
     dtype); block_tables [S, B] int32 (block ids per sequence); seq_idx [T]
     int32 (the sequence of each query); positions [T] int32 (each query's
     position: it attends keys 0..position of its sequence).
+    ``window`` 0 is full causal attention; ``window = W > 0`` is a sliding
+    window: a query at position p attends keys k with ``p - W < k <= p`` (W
+    keys including itself, as mlx-lm's ``create_causal_mask(window_size=W)``).
+    Table entries of blocks wholly before a query's window start (block index
+    < (p - W + 1) // block_size) are never read: they may hold any value.
     Returns [..., Hq, Dv] in q's dtype, or [..., Hq * Dv] with ``merge_heads``
     (the layout an output projection takes). Softmax in float32.
     """
+    if window < 0:
+        raise ValueError(f"[mlxfast.paged_attention] window must be >= 0 (0: full causal "
+                         f"attention), got {window}.")
     lead, (Hq, D) = q.shape[:-2], q.shape[-2:]
     T = seq_idx.shape[0]
     Hkv = k_pool.shape[1]
+    if window:
+        # Entries of blocks before every window of their sequence point at
+        # block 0 (masked below): their values are never used.
+        S, B = block_tables.shape
+        first = (mx.maximum(positions - (window - 1), 0) // block_size).astype(mx.int32)  # [T]
+        seq_first = mx.full((S,), B, mx.int32).at[seq_idx].minimum(first)
+        block_tables = mx.where(mx.arange(B)[None, :] >= seq_first[:, None], block_tables, 0)
     kg = paged_gather_reference(k_pool, block_tables, block_size)[seq_idx]  # [T, L, Hkv, D]
     vg = paged_gather_reference(v_pool, block_tables, block_size)[seq_idx]
     L = kg.shape[1]
     qf = q.astype(mx.float32).reshape(T, Hkv, Hq // Hkv, D)
     s = mx.einsum("tkgd,tlkd->tkgl", qf, kg.astype(mx.float32)) * scale
-    allowed = mx.arange(L)[None, :] <= positions[:, None]  # [T, L]
+    keys = mx.arange(L)[None, :]
+    allowed = keys <= positions[:, None]  # [T, L]
+    if window:
+        allowed = allowed & (keys > positions[:, None] - window)
     s = mx.where(allowed[:, None, None, :], s, -mx.inf)
     p = mx.softmax(s, axis=-1)
     out = mx.einsum("tkgl,tlkd->tkgd", p, vg.astype(mx.float32))
@@ -551,19 +570,24 @@ def paged_attention(
     scale: float,
     block_size: int,
     merge_heads: bool = False,
+    window: int = 0,
     stream=None,
 ) -> mx.array:
     """Attention of each query token over its own sequence's paged KV.
 
-    Same arguments and result as ``paged_attention_reference``: one primitive
-    on the CPU (online softmax, float32 accumulation, GQA, parallel over
-    (token, kv head)); the reference elsewhere.
+    Same arguments and result as ``paged_attention_reference`` (``window``:
+    0 full causal, W > 0 a sliding window of W keys; blocks wholly before a
+    query's window are not read): one primitive on the CPU (online softmax,
+    float32 accumulation, GQA, parallel over (token, kv head)); the reference
+    elsewhere.
     """
     if has_native_paged_attention(stream):
         return _ext.paged_attention(q, k_pool, v_pool, block_tables, seq_idx, positions,
-                                    scale, block_size, merge_heads=merge_heads, stream=stream)
+                                    scale, block_size, merge_heads=merge_heads, window=window,
+                                    stream=stream)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_idx, positions,
-                                     scale=scale, block_size=block_size, merge_heads=merge_heads)
+                                     scale=scale, block_size=block_size, merge_heads=merge_heads,
+                                     window=window)
 
 
 # --- quantized KV (affine q8/q4, TurboQuant): see ops_kvquant.py ------------

@@ -276,16 +276,26 @@ def kv_quant_dequant_reference(packed: mx.array, fmt: KVQuantFormat, signs: mx.a
 
 def kv_quant_paged_attention_reference(q, packed, block_tables, seq_idx, positions, *,
                                        scale: float, block_size: int, fmt: KVQuantFormat,
-                                       signs: mx.array | None = None) -> mx.array:
+                                       signs: mx.array | None = None,
+                                       window: int = 0) -> mx.array:
     """Pure-MLX :func:`kv_quant_paged_attention`: gather the blocks, dequantize, attend."""
     from .ops import paged_attention_reference, paged_gather_reference
 
+    if window < 0:
+        raise ValueError(f"[mlxfast.kv_quant_paged_attention] window must be >= 0 (0: full "
+                         f"causal attention), got {window}.")
     S, B = block_tables.shape
+    if window:
+        # Entries of blocks before every window of their sequence point at
+        # block 0 (masked by the attention): their values are never used.
+        first = (mx.maximum(positions - (window - 1), 0) // block_size).astype(mx.int32)  # [T]
+        seq_first = mx.full((S,), B, mx.int32).at[seq_idx].minimum(first)
+        block_tables = mx.where(mx.arange(B)[None, :] >= seq_first[:, None], block_tables, 0)
     rows = paged_gather_reference(packed, block_tables, block_size)  # [S, B*bs, Hkv, R]
     k, v = kv_quant_dequant_reference(rows.reshape(S * B * block_size, *packed.shape[1:]), fmt, signs)
     tables = mx.arange(S * B, dtype=mx.int32).reshape(S, B)
     return paged_attention_reference(q, k, v, tables, seq_idx, positions, scale=scale,
-                                     block_size=block_size)
+                                     block_size=block_size, window=window)
 
 
 # --- public ops ------------------------------------------------------------------
@@ -332,8 +342,10 @@ def kv_quant_dequant(packed: mx.array, fmt: KVQuantFormat, signs: mx.array | Non
 def kv_quant_paged_attention(q: mx.array, packed: mx.array, block_tables: mx.array,
                              seq_idx: mx.array, positions: mx.array, *, scale: float,
                              block_size: int, fmt: KVQuantFormat, signs: mx.array | None = None,
-                             stream=None) -> mx.array:
-    """Paged attention over packed K|V rows (see ``paged_attention`` for the paging).
+                             window: int = 0, stream=None) -> mx.array:
+    """Paged attention over packed K|V rows (see ``paged_attention`` for the paging
+    and ``window``: 0 full causal, W > 0 a sliding window of W keys whose earlier
+    blocks' table entries are never read).
 
     q [T, Hq, D] float; packed uint8 [num_blocks*block_size, Hkv, fmt.row_bytes];
     block_tables [S, B], seq_idx [T], positions [T] int32. Returns [T, Hq, D] in
@@ -347,7 +359,7 @@ def kv_quant_paged_attention(q: mx.array, packed: mx.array, block_tables: mx.arr
         return _ext.kv_quant_paged_attention(q, packed, block_tables, seq_idx, positions,
                                              _signs_or_dummy(fmt, signs), fmt.codebook(),
                                              scale=scale, block_size=block_size,
-                                             **_fmt_args(fmt), stream=stream)
+                                             **_fmt_args(fmt), window=window, stream=stream)
     return kv_quant_paged_attention_reference(q, packed, block_tables, seq_idx, positions,
                                               scale=scale, block_size=block_size, fmt=fmt,
-                                              signs=signs)
+                                              signs=signs, window=window)
