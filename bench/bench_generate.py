@@ -1,6 +1,7 @@
 """Single-stream decode and prefill: mlxfast against mlx-lm, same weights, one run.
 
     .venv/bin/python bench/bench_generate.py [--decode 256] [--prefill 512 2048] [--rounds 3]
+        [--model FILE.gguf --no-mlx-lm]   # another GGUF, e.g. Gemma 3 270M
 
 mlx-lm loads the default model converted by ``mlxfast convert``; both run on
 the same process and machine, and the ratio is what to read (these machines
@@ -51,7 +52,7 @@ def bench_mlxfast(path, n_decode: int, prefills: list[int]):
         out["decode_tok_s"] = (n - 1) / (time.perf_counter() - first)
         for p in prefills:
             ids = _prompt_ids(tok, p)
-            cache = DenseKVCache(len(model.layers))
+            cache = DenseKVCache.for_model(model)
             t0 = time.perf_counter()
             pos = 0
             while pos < p:
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternating rounds of mlxfast and llama.cpp (medians are reported)")
     ap.add_argument("--one-round", choices=["mlxfast", "llama.cpp"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the built-in model)")
     ap.add_argument("--no-mlx-lm", action="store_true",
                     help="only mlxfast and llama.cpp (mlx-lm takes minutes on Linux CPU)")
     args = ap.parse_args()
@@ -148,10 +150,10 @@ def main() -> None:
     from mlxfast.convert import convert_gguf
     from mlxfast.models.loader import default_model_path
 
-    gguf = default_model_path()
+    gguf = args.model or default_model_path()
     keys = ["decode_tok_s"] + [f"prefill_{p}_tok_s" for p in args.prefill]
     if args.one_round:  # child: one engine, one round, JSON on the last line
-        run = (bench_mlxfast(None, args.decode, args.prefill) if args.one_round == "mlxfast"
+        run = (bench_mlxfast(gguf, args.decode, args.prefill) if args.one_round == "mlxfast"
                else bench_llama_cpp(gguf, args.decode, args.prefill))
         print(json.dumps(run() if run else None))
         return
@@ -163,7 +165,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in rounds:
             cmd = [sys.executable, __file__, "--one-round", name, "--decode", str(args.decode),
-                   "--prefill", *map(str, args.prefill)]
+                   "--prefill", *map(str, args.prefill), "--model", str(gguf)]
             res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
                              .stdout.strip().splitlines()[-1])
             if res is not None:

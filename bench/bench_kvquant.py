@@ -49,13 +49,12 @@ def decode_rate(engine, prompt, n):
 def perplexity(model, tokens, kv_quant, chunk=512, bs=16):
     a = model.args
     n = len(tokens)
-    pool = KVPool(a.num_hidden_layers, -(-n // bs), bs, a.num_key_value_heads, a.head_dim,
-                  model.dtype, kv_quant=kv_quant)
+    pool = KVPool(model.kv_layers, -(-n // bs), bs, model.dtype, kv_quant=kv_quant, release=False)
     table = list(range(pool.num_blocks))
     nll = 0.0
     for start in range(0, n - 1, chunk):
         m = min(chunk, n - 1 - start)
-        ctx = PagedContext(pool, [SeqSlice(table, start, m)])
+        ctx = PagedContext(pool, [SeqSlice([table], start, m)])
         logits = model(mx.array(tokens[start:start + m], dtype=mx.int32).reshape(-1, 1), ctx)
         logits = logits.reshape(m, -1).astype(mx.float32)
         tgt = mx.array(tokens[start + 1:start + m + 1])
@@ -126,7 +125,7 @@ def main():
     rng = random.Random(0)
     longest = [rng.randrange(100, a.vocab_size) for _ in range(max(contexts))]
     fp16 = parse_kv_quant("off", head_dim=a.head_dim, dtype=mx.float16).bytes_per_token(
-        a.num_hidden_layers, a.num_key_value_heads)
+        model.kv_layers)
     print(f"default model: layers={a.num_hidden_layers} kv_heads={a.num_key_value_heads} "
           f"head_dim={a.head_dim} dtype={model.dtype}; cpu path {mlxfast.ops.cpu_path()}, "
           f"{mlxfast.ops.num_threads()} threads")

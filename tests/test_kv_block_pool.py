@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from mlxfast.kv.block_pool import BlockAllocator, KVPool, block_hash, chain_hashes
+from mlxfast.kv.layer_spec import uniform_layers
 from mlxfast.kv.paged import PagedContext, SeqSlice
 
 
@@ -70,13 +71,13 @@ def test_pool_writes_reuse_the_buffer(native):
     """Scatter into the pool donates its buffer: memory does not grow per step."""
     from mlxfast import ops
     assert ops.has_native_paged_attention()  # the suite runs on the CPU, where the kernel always exists
-    pool = KVPool(num_layers=2, num_blocks=256, block_size=16, n_kv_heads=2, head_dim=64)
+    pool = KVPool(uniform_layers(2, 2, 64), num_blocks=256, block_size=16)
     size = pool.keys[0].nbytes
     mx.eval(pool.arrays())
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     for step in range(6):
-        ctx = PagedContext(pool, [SeqSlice(list(range(8)), step, 1), SeqSlice([8, 9], 3 + step, 1)],
+        ctx = PagedContext(pool, [SeqSlice([list(range(8))], step, 1), SeqSlice([[8, 9]], 3 + step, 1)],
                            native=native)
         for layer in range(2):
             q = mx.ones((2, 1, 4, 64))
@@ -92,7 +93,7 @@ def test_pool_writes_reuse_the_buffer(native):
 
 
 def test_second_reference_forces_a_copy_not_corruption():
-    pool = KVPool(1, 8, 4, 1, 8)
+    pool = KVPool(uniform_layers(1, 1, 8), 8, 4)
     held = pool.keys[0]  # an outside reference: the write must not clobber it
     snapshot = held
     before = np.array(snapshot)

@@ -1,7 +1,6 @@
 """Paged attention: the MLX reference paths against a naive dense computation,
 and the native kernels against the references."""
 
-import inspect
 import random
 from dataclasses import dataclass
 
@@ -11,6 +10,7 @@ import pytest
 
 from mlxfast import ops
 from mlxfast.kv.block_pool import KVPool
+from mlxfast.kv.layer_spec import uniform_layers
 from mlxfast.kv.paged import PagedContext, SeqSlice
 
 TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}
@@ -27,19 +27,13 @@ class Seq:
 
 
 def _kv_pool(num_blocks, bs, Hkv, D, dtype):
-    """A one-layer KVPool (whichever constructor the kv layer has)."""
-    if "layers" in inspect.signature(KVPool.__init__).parameters:
-        from mlxfast.kv.layer_spec import uniform_layers
-
-        return KVPool(uniform_layers(1, Hkv, D), num_blocks, bs, dtype=dtype)
-    return KVPool(1, num_blocks, bs, Hkv, D, dtype=dtype)
+    """A one-layer KVPool."""
+    return KVPool(uniform_layers(1, Hkv, D), num_blocks, bs, dtype=dtype)
 
 
 def _seq_slice(s):
-    """The kv layer's SeqSlice for a Seq (one table, or one per KV group)."""
-    if "block_tables" in getattr(SeqSlice, "__dataclass_fields__", {}):
-        return SeqSlice([list(s.block_table)], s.start, s.n)
-    return SeqSlice(list(s.block_table), s.start, s.n)
+    """The kv layer's SeqSlice for a Seq (one KV group: one table)."""
+    return SeqSlice([list(s.block_table)], s.start, s.n)
 
 
 def naive(q, kp, vp, tables, seq_idx, positions, scale, bs, window=0):

@@ -29,15 +29,13 @@ TOLERANCE = {"8": 0.002, "turbo:k8v4": 0.012, "turbo": 0.025}  # 4-bit affine: b
 
 
 def perplexity(model, tokens, kv_quant: str) -> float:
-    args = model.args
     n = len(tokens)
-    pool = KVPool(args.num_hidden_layers, -(-n // BS), BS, args.num_key_value_heads,
-                  args.head_dim, model.dtype, kv_quant=kv_quant)
+    pool = KVPool(model.kv_layers, -(-n // BS), BS, model.dtype, kv_quant=kv_quant)
     table = list(range(pool.num_blocks))
     nll = 0.0
     for start in range(0, n - 1, CHUNK):
         m = min(CHUNK, n - 1 - start)
-        ctx = PagedContext(pool, [SeqSlice(table, start, m)])
+        ctx = PagedContext(pool, [SeqSlice([table], start, m)])
         x = mx.array(tokens[start:start + m], dtype=mx.int32).reshape(-1, 1)
         logits = model(x, ctx).reshape(m, -1).astype(mx.float32)
         target = mx.array(tokens[start + 1:start + m + 1])

@@ -15,6 +15,7 @@ from mlxfast.engine.api import Request
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
 from mlxfast.kv.block_pool import KVPool
+from mlxfast.kv.layer_spec import uniform_layers
 from mlxfast.kv.paged import PagedContext, SeqSlice
 from mlxfast.kv.schemes import parse_kv_quant
 from mlxfast.ops_kvquant import (LLOYD_MAX_GAUSSIAN, _pack, _unpack, codebook, lloyd_max_gaussian,
@@ -37,15 +38,15 @@ def test_scheme_ids_and_bytes_per_token():
     with pytest.raises(ValueError):
         parse_kv_quant("turbo", head_dim=48)  # the Walsh-Hadamard rotation needs 2^n
     # The default model: 30 layers, 3 kv heads, head_dim 64.
-    fp16 = spec("off", dtype=mx.float16).bytes_per_token(30, 3)
+    fp16 = spec("off", dtype=mx.float16).bytes_per_token(uniform_layers(30, 3, 64))
     assert fp16 == 30 * 3 * 2 * 64 * 2
     per_head = {q: spec(q).fmt.row_bytes for q in ("8", "4", "turbo", "turbo:k8v4")}
     # K: codes + fp16 scale + fp16 bias per group; turbo V: 3-bit codes + fp32 norm.
     assert per_head == {"8": 2 * (64 + 4), "4": 2 * (32 + 4), "turbo": 68 + 24 + 4,
                         "turbo:k8v4": 68 + 32 + 4}
-    k8v3 = spec("turbo").bytes_per_token(30, 3)
+    k8v3 = spec("turbo").bytes_per_token(uniform_layers(30, 3, 64))
     assert fp16 / k8v3 >= 2.5, fp16 / k8v3
-    assert KVPool.bytes_per_block(30, 16, 3, 64, "float32", "turbo") == 16 * k8v3
+    assert KVPool(uniform_layers(30, 3, 64), 2, 16, kv_quant="turbo").bytes_per_block == 16 * k8v3
 
 
 def test_codebook_constants_are_lloyd_max():
@@ -140,11 +141,11 @@ def test_paged_context_over_quant_pool_matches_naive(quant, native):
     rng = random.Random(7)
     mx.random.seed(7)
     bs, Hq, Hkv, D = 4, 6, 2, 64
-    pool = KVPool(1, 32, bs, Hkv, D, kv_quant=quant)
+    pool = KVPool(uniform_layers(1, Hkv, D), 32, bs, kv_quant=quant)
     seqs, used = [], 0
     for n_ctx, n in ((9, 1), (13, 5), (4, 4), (1, 1)):
         nb = -(-n_ctx // bs)
-        seqs.append(SeqSlice(list(range(used, used + nb))[::-1], n_ctx - n, n))
+        seqs.append(SeqSlice([list(range(used, used + nb))[::-1]], n_ctx - n, n))
         used += nb
     # fill the context with random quantized KV first
     slots = mx.arange(32 * bs)
@@ -155,7 +156,7 @@ def test_paged_context_over_quant_pool_matches_naive(quant, native):
     kd, vd = ops.kv_quant_dequant_reference(pool.arrays()[0], pool.spec.fmt, pool.scheme.signs[0])
     seq_idx = [i for i, s in enumerate(seqs) for _ in range(s.n)]
     pos = [p for s in seqs for p in range(s.start, s.start + s.n)]
-    want = _naive(q.reshape(T, Hq, D), kd, vd, [s.block_table for s in seqs], seq_idx, pos, 0.125, bs)
+    want = _naive(q.reshape(T, Hq, D), kd, vd, [s.block_tables[0] for s in seqs], seq_idx, pos, 0.125, bs)
     np.testing.assert_allclose(np.array(out.reshape(T, Hq, D)), want, atol=2e-4, rtol=1e-3)
     # the new tokens' KV landed in their slots (quantized)
     kn, _ = ops.kv_quant_dequant_reference(pool.arrays()[0][PagedContext(pool, seqs).slots],

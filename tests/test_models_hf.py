@@ -35,6 +35,10 @@ CASES = [
     ("mistral", mx.float16, {"group_size": 64, "bits": 8}),
     ("qwen2", mx.float32, {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}),
     ("qwen3", mx.float32, {"group_size": 32, "bits": 4, "lm_head": False}),
+    ("gemma3_text", mx.float32, None),
+    ("gemma3_text", mx.bfloat16, None),
+    ("gemma3_text", mx.float16, None),
+    ("gemma3_text", mx.float32, {"group_size": 32, "bits": 4}),
 ]
 TOL = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 3e-2}
 
@@ -49,7 +53,7 @@ def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, batch):
     tol = TOL[dtype] if quant is None else max(TOL[dtype], 2e-3)
 
     # Whole sequence in one forward, no cache reuse.
-    full = ours(tokens, DenseKVCache(len(ours.layers)))
+    full = ours(tokens, DenseKVCache.for_model(ours))
     full_ref = ref(tokens)
     assert full.shape == full_ref.shape == (batch, tokens.shape[1], 256)
     if dtype == mx.float32:
@@ -65,7 +69,7 @@ def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, batch):
         assert _rel_err(full, full_ref) < 3 * tol
 
     # A prefix, then one token at a time through the KV cache.
-    cache = DenseKVCache(len(ours.layers))
+    cache = DenseKVCache.for_model(ours)
     ref_cache = make_prompt_cache(ref)
     steps = [ours(tokens[:, :6], cache)]
     cache.advance(6)
@@ -110,3 +114,33 @@ def test_load_hf_dir_returns_model_and_tokenizer(tmp_path):
     assert ids == [5, 17, 99]
     logits = model(mx.array([ids]), DenseKVCache(len(model.layers)))
     assert logits.shape == (1, 3, 256)
+
+
+def test_gemma3_final_logit_softcapping(tmp_path):
+    """A config's final_logit_softcapping c bounds the logits: c * tanh(z / c)."""
+    import json
+
+    path = make_tiny_model(tmp_path / "m", "gemma3_text")
+    plain = _build(path)
+    config = json.loads((path / "config.json").read_text())
+    config["final_logit_softcapping"] = 5.0
+    (path / "config.json").write_text(json.dumps(config))
+    capped = _build(path)
+    tokens = mx.array(TOKENS)
+    z = plain(tokens, DenseKVCache.for_model(plain))
+    got = capped(tokens, DenseKVCache.for_model(capped))
+    assert mx.abs(z).max().item() > 5.0  # the cap bites
+    assert mx.allclose(got, 5.0 * mx.tanh(z / 5.0), atol=1e-5).item()
+
+
+def test_gemma3_rejects_what_it_cannot_run(tmp_path):
+    import json
+
+    path = make_tiny_model(tmp_path / "m", "gemma3_text")
+    config = json.loads((path / "config.json").read_text())
+    for key, value, match in (("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+                              ("hidden_activation", "relu", "activation")):
+        bad = dict(config, **{key: value})
+        (path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            _build(path)

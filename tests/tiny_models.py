@@ -32,6 +32,10 @@ TYPES = {
     "mistral": {"tie_word_embeddings": False},
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": False, "head_dim": 32},
+    # Layers 0, 2 slide over 4 tokens (their own RoPE base), 1, 3 attend fully.
+    "gemma3_text": {"tie_word_embeddings": False, "num_hidden_layers": 4, "head_dim": 32, "sliding_window": 4,
+                    "sliding_window_pattern": 2, "query_pre_attn_scalar": 24,
+                    "rope_local_base_freq": 500.0, "rms_norm_eps": 1e-6},
 }
 
 

@@ -83,7 +83,7 @@ def stream_generate(
     if max_tokens <= 0:
         yield GenerationChunk("", None, "length")
         return
-    cache = DenseKVCache(len(model.layers))
+    cache = DenseKVCache.for_model(model)
     key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
     eos = tokenizer.eos_token_ids
     detok = tokenizer.detokenizer()

@@ -28,20 +28,20 @@ class _DraftSeq:
 
     def __init__(self, request_id: str):
         self.seq = Seq(request_id, [0], max_tokens=1)  # tokens and block table set per use
-        self.seq.block_table = []
+        self.seq.block_tables = [[]]
         self.num_computed = 0  # tokens of the target sequence whose draft KV is in the pool
 
 
 class DraftModel:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype, native: bool | None = None,
                  max_catchup: int = 512):
-        args = model.args
         # Tokens a step's catch-up forward may take (the target's step budget):
         # a row with more to catch up (a long prompt) does so over several
         # steps, drafting once it has.
         self.max_catchup = max_catchup
-        self.pool = KVPool(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads,
-                           args.head_dim, kv_dtype)
+        # One block table per row: every layer keeps its blocks (windows still
+        # apply in attention).
+        self.pool = KVPool(model.kv_layers, num_blocks, block_size, kv_dtype, release=False)
         self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_cache=False)
         self.runner = Runner(model, self.pool, native=native)
 
@@ -98,11 +98,11 @@ class DraftModel:
 
     def _room(self, d: _DraftSeq, positions: int) -> bool:
         """Blocks in the draft pool for ``positions`` positions of the row (False: none free)."""
-        need = self.alloc.blocks_for(positions) - len(d.seq.block_table)
+        need = self.alloc.blocks_for(positions) - len(d.seq.block_tables[0])
         if need > self.alloc.num_free:
             return False
         if need > 0:
-            d.seq.block_table += self.alloc.allocate(need)
+            d.seq.block_tables[0] += self.alloc.allocate(need)
         return True
 
     def accepted(self, seq, old_len: int, drafted: int, accepted: int) -> None:
@@ -115,7 +115,7 @@ class DraftModel:
     def release(self, seq) -> None:
         spec = getattr(seq.data, "spec", None)
         d = spec.draft if spec is not None else None
-        if d is not None and d.seq.block_table:
-            self.alloc.free(d.seq.block_table)
-            d.seq.block_table = []
+        if d is not None and d.seq.block_tables[0]:
+            self.alloc.free(d.seq.block_tables[0])
+            d.seq.block_tables = [[]]
             d.num_computed = 0

@@ -31,6 +31,7 @@ from collections import deque
 import mlx.core as mx
 
 from ..kv.block_pool import BlockAllocator, KVPool, default_kv_dtype, kv_dtype
+from ..kv.layer_spec import KVGroups
 from ..kv.schemes import parse_kv_quant
 from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent
 from .config import EngineConfig
@@ -160,17 +161,23 @@ class Engine:
         args = model.args
         self.kv_dtype = kv_dtype(cfg.kv_dtype) if cfg.kv_dtype else model.dtype
         self.block_size = bs = cfg.block_size
-        self.kv_spec = parse_kv_quant(cfg.kv_quant, head_dim=args.head_dim, dtype=self.kv_dtype,
+        layers = model.kv_layers
+        self.kv_spec = parse_kv_quant(cfg.kv_quant, head_dim=layers[0].head_dim, dtype=self.kv_dtype,
                                       group_size=cfg.kv_group_size)
+        for d in {layer.head_dim for layer in layers}:
+            self.kv_spec.for_head_dim(d)  # checks the scheme takes every layer's head dim
         if cfg.kv_dtype is None and self.kv_spec.kind == "dense":  # auto: see default_kv_dtype
             self.kv_dtype = default_kv_dtype(model.dtype)
             self.kv_spec = dataclasses.replace(self.kv_spec, dtype=self.kv_dtype)
-        self.kv_bytes_per_token = self.kv_spec.bytes_per_token(args.num_hidden_layers,
-                                                               args.num_key_value_heads)
-        per_block = bs * self.kv_bytes_per_token
+        # Sliding-window layers free the blocks that leave their window; the
+        # SSD tier stores whole blocks of every layer, so with it they keep them.
+        self.kv_groups = KVGroups(layers, release=not cfg.ssd_cache_dir)
+        self.kv_bytes_per_token = self.kv_spec.bytes_per_token(layers)  # with every block kept
+        per_block = bs * self.kv_spec.bytes_per_token(self.kv_groups.slot_layers())
         self.num_blocks = cfg.num_blocks or max(2, int(cfg.kv_cache_gb * (1 << 30)) // per_block)
         limit = cfg.max_model_len or getattr(args, "max_position_embeddings", None) or 4096
-        self.max_model_len = min(limit, self.num_blocks * bs)
+        # A context of n tokens holds at most every block of every group.
+        self.max_model_len = min(limit, self.num_blocks // len(self.kv_groups) * bs)
         fingerprint = cfg.model_fingerprint or hashlib.blake2b(
             repr(args).encode(), digest_size=8).hexdigest()
         self._namespace = f"{fingerprint}|{self.kv_spec.scheme_id}|bs{bs}"
@@ -188,7 +195,8 @@ class Engine:
         self.drafter = None  # made on the engine thread (a draft model allocates its pool there)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, drafter=self.drafter)
+                                   max_model_len=self.max_model_len, drafter=self.drafter,
+                                   windows=self.kv_groups.windows)
         eos = getattr(tokenizer, "eos_token_ids", None) or set()
         self._eos = frozenset(int(t) for t in eos)
         self.pool: KVPool | None = None
@@ -305,6 +313,7 @@ class Engine:
             "block_size": self.block_size,
             "kv_scheme": self.kv_spec.scheme_id,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_groups": self._group_stats(),
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
             "spec_decode": {"kind": self.config.spec_kind, "num_drafts": self.spec_drafts,
@@ -315,12 +324,20 @@ class Engine:
             "e2e_request_latency_seconds": self.e2e.snapshot(),
         }
 
+    def _group_stats(self) -> list[dict]:
+        """Per KV group: its window, layers and the blocks running sequences hold."""
+        held = [0] * len(self.kv_groups)
+        for seq in list(self.scheduler.running):
+            for g, table in enumerate(list(seq.block_tables)):
+                held[g] += len(table) - seq.num_released[g] if g < len(seq.num_released) else 0
+        return [{"window": g.window, "layers": list(g.layers), "blocks_in_use": n}
+                for g, n in zip(self.kv_groups.groups, held)]
+
     # -- engine thread -------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.pool = KVPool(self.model.args.num_hidden_layers, self.num_blocks, self.block_size,
-                               self.model.args.num_key_value_heads, self.model.args.head_dim,
-                               self.kv_dtype, kv_quant=self.kv_spec)
+            self.pool = KVPool(self.model.kv_layers, self.num_blocks, self.block_size, self.kv_dtype,
+                               kv_quant=self.kv_spec, release=not self.config.ssd_cache_dir)
             self.runner = Runner(self.model, self.pool, native=self.config.native_attention)
             if self.config.spec_kind:
                 draft = None

@@ -48,7 +48,7 @@ class Runner:
             base = len(tokens)
             tokens += r.seq.tokens[r.start:r.start + r.n]
             tokens += r.draft
-            seqs.append(SeqSlice(r.seq.block_table, r.start, r.num_tokens))
+            seqs.append(SeqSlice(r.seq.block_tables, r.start, r.num_tokens))
             if r.seq.score_prompt:
                 m = min(r.n, r.seq.prompt_len - 1 - r.start)
                 if m > 0:

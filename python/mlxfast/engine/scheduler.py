@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kv.block_pool import BlockAllocator, chain_hashes
+from ..kv.block_pool import BlockAllocator, block_hash, chain_hashes
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -55,7 +55,10 @@ class Seq:
     data: Any = None  # the engine's per-request state (stream, sampler, detok)
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
-    block_table: list[int] = field(default_factory=list)
+    # One block table per KV group (kv/layer_spec.py); a sliding group's
+    # entries for blocks out of its window are released (-1).
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
+    num_released: list[int] = field(default_factory=lambda: [0])  # leading -1 entries per group
     hashes: list[bytes] = field(default_factory=list)  # full-block hashes of tokens
     num_registered: int = 0  # full blocks published to the prefix cache
     cached_tokens: int | None = None  # prompt tokens reused at first admission
@@ -119,9 +122,13 @@ class SeqUpdate:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, max_model_len: int = 4096,
-                 drafter: Any = None):
+                 drafter: Any = None, windows: tuple[int, ...] = (0,)):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        # The pool's KV groups (kv/layer_spec.py): each group's attention
+        # window (0: full), one block table per group per sequence.
+        self.windows = tuple(windows)
+        self._sliding = [(g, w) for g, w in enumerate(self.windows) if w]
         self.drafter = drafter  # speculative decoding (engine/spec.py Drafter), or None
         self.alloc = allocator
         self.block_size = allocator.block_size
@@ -169,11 +176,86 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _release(self, seq: Seq) -> None:
-        if seq.block_table:
-            self.alloc.free(seq.block_table)
-        seq.block_table = []
+        self._free_tables(seq.block_tables)
+        seq.block_tables = [[] for _ in self.windows]
+        seq.num_released = [0] * len(self.windows)
         seq.num_computed = 0
         seq.num_registered = 0
+
+    def _free_tables(self, tables: list[list[int]]) -> None:
+        for table in tables:
+            held = [b for b in table if b >= 0]
+            if held:
+                self.alloc.free(held)
+
+    # -- blocks over KV groups ------------------------------------------------
+    def _need(self, seq: Seq, end: int) -> int:
+        """New blocks ``seq`` needs to hold positions ``< end`` (every group's
+        table grows alike)."""
+        return max(0, self.alloc.blocks_for(end) - len(seq.block_tables[0])) * len(self.windows)
+
+    def _grow(self, seq: Seq, end: int) -> None:
+        n = self.alloc.blocks_for(end) - len(seq.block_tables[0])
+        if n > 0:
+            for table in seq.block_tables:
+                table += self.alloc.allocate(n)
+
+    def _slide(self, seq: Seq) -> None:
+        """Free, in each sliding group, the blocks wholly before the window of
+        the next position to compute: no later query of ``seq`` reads them."""
+        if not self._sliding:
+            return
+        bs = self.block_size
+        for g, w in self._sliding:
+            end = max(0, seq.num_computed - w + 1) // bs
+            lo = seq.num_released[g]
+            if end > lo:
+                table = seq.block_tables[g]
+                self.alloc.free(table[lo:end])
+                table[lo:end] = [-1] * (end - lo)
+                seq.num_released[g] = end
+
+    def _group_hashes(self, hashes: list[bytes], g: int) -> list[bytes]:
+        """Group ``g``'s cache keys for blocks of these hashes (group 0 keeps
+        the chain's own, which the SSD tier names files by)."""
+        return hashes if g == 0 else [block_hash(h, (), b"kv-group%d" % g) for h in hashes]
+
+    def _window_start(self, n: int, w: int) -> int:
+        """First block a query at position ``n * block_size`` attends in a
+        group of window ``w`` (0: full)."""
+        return 0 if w == 0 else max(0, n * self.block_size - w + 1) // self.block_size
+
+    def _match(self, seq: Seq, limit: int) -> list[list[int]]:
+        """Take the longest prefix hit of ``seq`` over all groups, at most
+        ``limit`` blocks: full groups need every block before it, sliding
+        groups only the blocks of its window. Returns the block tables."""
+        G = len(self.windows)
+        alloc = self.alloc
+        if seq.score_prompt or not alloc.enable_prefix_cache or limit == 0:
+            return [[] for _ in range(G)]
+        cached = alloc.cached
+        keys = [self._group_hashes(seq.hashes[:limit], g) for g in range(G)]
+        n = limit
+        runs = []  # per sliding group: run[b] = cached blocks ending at b
+        for g, w in enumerate(self.windows):
+            if w == 0:
+                k = 0
+                while k < n and keys[g][k] in cached:
+                    k += 1
+                n = k
+            else:
+                run, r = [], 0
+                for h in keys[g]:
+                    r = r + 1 if h in cached else 0
+                    run.append(r)
+                runs.append((g, w, run))
+        while n > 0 and any(run[n - 1] < n - self._window_start(n, w) for _, w, run in runs):
+            n -= 1
+        tables = []
+        for g, w in enumerate(self.windows):
+            lo = self._window_start(n, w)
+            tables.append([-1] * lo + alloc.match_prefix(keys[g][lo:n]))
+        return tables
 
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
@@ -192,15 +274,15 @@ class Scheduler:
             if seq.status != RUNNING or budget == 0:
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            need = alloc.blocks_for(seq.num_computed + n) - len(seq.block_table)
+            self._slide(seq)
+            need = self._need(seq, seq.num_computed + n)
             while need > alloc.num_free and seq.status == RUNNING:
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
             if seq.status != RUNNING:
                 break  # it was the newest: nothing after it remains
-            if need > 0:
-                seq.block_table += alloc.allocate(need)
+            self._grow(seq, seq.num_computed + n)
             plan.rows.append(Row(seq, seq.num_computed, n, _samples(seq, seq.num_computed + n)))
             budget -= n
 
@@ -210,17 +292,20 @@ class Scheduler:
             bs = self.block_size
             seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
             # The last token is always computed (its logits are sampled).
-            hit = [] if seq.score_prompt else alloc.match_prefix(seq.hashes[:(len(seq.tokens) - 1) // bs])
-            start = len(hit) * bs
+            hit = self._match(seq, (len(seq.tokens) - 1) // bs)
+            num_hit = len(hit[0])
+            start = num_hit * bs
             n = min(len(seq.tokens) - start, budget)
-            need = alloc.blocks_for(start + n) - len(hit)
-            if need > alloc.num_free:
-                alloc.free(hit)
+            seq.block_tables = hit
+            if self._need(seq, start + n) > alloc.num_free:
+                self._free_tables(hit)
+                seq.block_tables = [[] for _ in self.windows]
                 break
             self.waiting.popleft()
-            seq.block_table = hit + alloc.allocate(need)
+            self._grow(seq, start + n)
+            seq.num_released = [self._window_start(num_hit, w) for w in self.windows]
             seq.num_computed = start
-            seq.num_registered = len(hit)
+            seq.num_registered = num_hit
             if seq.cached_tokens is None:
                 seq.cached_tokens = start
                 self.prefix_queries += seq.prompt_len
@@ -256,11 +341,10 @@ class Scheduler:
             if not draft:
                 continue
             seq = row.seq
-            need = alloc.blocks_for(row.start + row.n + len(draft)) - len(seq.block_table)
-            if need > alloc.num_free:
+            end = row.start + row.n + len(draft)
+            if self._need(seq, end) > alloc.num_free:
                 continue
-            if need > 0:
-                seq.block_table += alloc.allocate(need)
+            self._grow(seq, end)
             row.draft = draft
             budget -= len(draft)
 
@@ -301,8 +385,11 @@ class Scheduler:
             full = min(seq.num_computed, len(seq.tokens)) // bs
             if full > seq.num_registered:
                 seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
-                for b in range(seq.num_registered, full):
-                    self.alloc.register(seq.block_table[b], seq.hashes[b])
+                for g, table in enumerate(seq.block_tables):
+                    keys = self._group_hashes(seq.hashes[seq.num_registered:full], g)
+                    for b, h in zip(range(seq.num_registered, full), keys):
+                        if table[b] >= 0:
+                            self.alloc.register(table[b], h)
                 seq.num_registered = full
             if toks is None:
                 if seq.max_tokens <= 0 and seq.num_computed == len(seq.tokens):

@@ -203,30 +203,35 @@ def default_kv_dtype(model_dtype):
 
 
 class KVPool:
-    """Per-layer block storage in MLX arrays, in the format of a KV scheme.
+    """Block storage in MLX arrays for a model's layers, in the format of a KV scheme.
 
-    The scheme (``kv/schemes.py``: dense fp32/fp16/bf16, affine q8/q4,
-    TurboQuant) owns the arrays, the writes and the attention. Every storage
-    array has leading dimension ``num_blocks * block_size`` (slot-major) and
-    ``arrays()`` lists them all in a fixed order, so a block's bytes are rows
-    ``[b*bs, (b+1)*bs)`` of each array. ``scheme_id`` names the format
-    (``f32``, ``q8g64``, ``turbo-k8v3-s0`` ...) for cache namespaces.
+    ``layers`` is the model's per-layer KV spec (``kv/layer_spec.py``); the
+    pool stores them in KV groups (``groups``): one storage slot per layer of
+    a group, shared by the same slot of every group, each group addressed by
+    its own block tables. The scheme (``kv/schemes.py``: dense
+    fp32/fp16/bf16, affine q8/q4, TurboQuant) owns the arrays, the writes and
+    the attention. Every storage array has leading dimension ``num_blocks *
+    block_size`` (slot-major) and ``arrays()`` lists them all in a fixed
+    order, so a block's bytes are rows ``[b*bs, (b+1)*bs)`` of each array.
+    ``scheme_id`` names the format (``f32``, ``q8g64``, ``turbo-k8v3-s0`` ...)
+    for cache namespaces. ``release=False`` keeps one group of all layers.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int,
-                 n_kv_heads: int, head_dim: int, dtype="float32", kv_quant="off",
-                 group_size: int = 64, seed: int = 0):
+    def __init__(self, layers, num_blocks: int, block_size: int, dtype="float32", kv_quant="off",
+                 group_size: int = 64, seed: int = 0, release: bool = True):
+        from .layer_spec import KVGroups
         from .schemes import KVSchemeSpec, parse_kv_quant
 
-        self.num_layers = num_layers
+        self.groups = KVGroups(layers, release=release)
+        self.layers = self.groups.layers
+        self.num_layers = len(self.layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = head_dim
         self.dtype = kv_dtype(dtype)
         self.spec = kv_quant if isinstance(kv_quant, KVSchemeSpec) else parse_kv_quant(
-            kv_quant, head_dim=head_dim, dtype=self.dtype, group_size=group_size, seed=seed)
-        self.scheme = self.spec.create(num_layers, num_blocks * block_size, n_kv_heads)
+            kv_quant, head_dim=self.layers[0].head_dim, dtype=self.dtype, group_size=group_size,
+            seed=seed)
+        self.scheme = self.spec.create(self.groups.slot_layers(), num_blocks * block_size)
 
     @property
     def scheme_id(self) -> str:
@@ -240,26 +245,19 @@ class KVPool:
     def values(self):  # dense schemes only
         return self.scheme.values
 
-    @staticmethod
-    def bytes_per_block(num_layers, block_size, n_kv_heads, head_dim, dtype, kv_quant="off",
-                        group_size: int = 64) -> int:
-        from .schemes import parse_kv_quant
-
-        spec = parse_kv_quant(kv_quant, head_dim=head_dim, dtype=kv_dtype(dtype),
-                              group_size=group_size)
-        return block_size * spec.bytes_per_token(num_layers, n_kv_heads)
-
     @property
-    def bytes_per_token(self) -> int:
-        return self.spec.bytes_per_token(self.num_layers, self.n_kv_heads)
+    def bytes_per_block(self) -> int:
+        """Bytes of one block (``block_size`` tokens of one group's layers)."""
+        return self.block_size * self.spec.bytes_per_token(self.groups.slot_layers())
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
-    def write(self, layer: int, slots, k, v) -> None:
-        """Store k/v ``[T, n_kv_heads, head_dim]`` at flat ``slots [T]`` (in place)."""
-        self.scheme.write(layer, slots, k, v)
+    def write(self, slot: int, slots, k, v) -> None:
+        """Store k/v ``[T, n_kv_heads, head_dim]`` of storage slot ``slot`` (a
+        group's layer; the layer itself for one group) at flat ``slots [T]``."""
+        self.scheme.write(slot, slots, k, v)
 
     def arrays(self):
         return self.scheme.arrays()

@@ -18,11 +18,22 @@ from .. import ops
 class DenseKVCache:
     block = 256  # growth step, and the attention kernel's block size
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, windows=None):
+        # Per layer: a sliding window (a query attends its last `window`
+        # positions) or 0 for full attention.
+        self.windows = list(windows) if windows is not None else [0] * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"{len(self.windows)} windows for {num_layers} layers")
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.offset = 0  # tokens already stored (before the current forward)
         self._meta: dict = {}
+
+    @classmethod
+    def for_model(cls, model) -> "DenseKVCache":
+        """A cache for ``model``'s layers (its ``kv_layers`` windows)."""
+        layers = model.kv_layers
+        return cls(len(layers), [layer.window for layer in layers])
 
     @property
     def offsets(self) -> int:
@@ -71,7 +82,8 @@ class DenseKVCache:
         keys, values = ops.kv_write_pair(keys, self.values[layer], slots, k, v)
         self.keys[layer], self.values[layer] = keys, values
         return ops.paged_attention(q, keys, values, tables, seq_idx, positions, scale=scale,
-                                   block_size=self.block, merge_heads=True)
+                                   block_size=self.block, merge_heads=True,
+                                   window=self.windows[layer])
 
     def advance(self, n: int) -> None:
         """Mark n more tokens as stored (call after each forward)."""

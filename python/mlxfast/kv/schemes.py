@@ -24,6 +24,7 @@ array; ``scheme_id`` names the storage format for cache namespaces.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -55,16 +56,30 @@ class KVSchemeSpec:
             return f"q{f.k_bits}g{f.group_size}"
         return f"turbo-k{f.k_bits}v{f.v_bits}{g}-s{self.seed}"
 
-    def bytes_per_token(self, num_layers: int, n_kv_heads: int) -> int:
-        """True bytes of K+V for one token over all layers (scales and norms included)."""
-        if self.kind == "dense":
-            return 2 * num_layers * n_kv_heads * self.head_dim * self.dtype.size
-        return num_layers * n_kv_heads * self.fmt.row_bytes
+    def for_head_dim(self, head_dim: int) -> "KVSchemeSpec":
+        """The same scheme for layers of another head dim."""
+        if head_dim == self.head_dim:
+            return self
+        fmt = None if self.fmt is None else dataclasses.replace(self.fmt, head_dim=head_dim)
+        return dataclasses.replace(self, head_dim=head_dim, fmt=fmt)
 
-    def create(self, num_layers: int, num_slots: int, n_kv_heads: int) -> "KVScheme":
+    def bytes_per_token(self, layers) -> int:
+        """True bytes of K+V for one token over ``layers`` (``LayerKV``s; scales
+        and norms included)."""
+        total = 0
+        for layer in layers:
+            spec = self.for_head_dim(layer.head_dim)
+            if spec.kind == "dense":
+                total += 2 * layer.n_kv_heads * layer.head_dim * spec.dtype.size
+            else:
+                total += layer.n_kv_heads * spec.fmt.row_bytes
+        return total
+
+    def create(self, layers, num_slots: int) -> "KVScheme":
+        """Storage of ``num_slots`` slots for each of ``layers`` (``LayerKV``s)."""
         if self.kind == "dense":
-            return DenseScheme(self, num_layers, num_slots, n_kv_heads)
-        return QuantScheme(self, num_layers, num_slots, n_kv_heads)
+            return DenseScheme(self, layers, num_slots)
+        return QuantScheme(self, layers, num_slots)
 
 
 def parse_kv_quant(kv_quant: str | None, *, head_dim: int, dtype=mx.float32,
@@ -99,8 +114,10 @@ class KVScheme:
         """Store k/v ``[..., Hkv, D]`` (T rows in the leading axes) at ``slots [T]``."""
         raise NotImplementedError
 
-    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
-        """q ``[..., Hq, D]`` -> ``[..., Hq * D]`` (heads merged)."""
+    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size,
+                        window=0):
+        """q ``[..., Hq, D]`` -> ``[..., Hq * D]`` (heads merged); ``window`` > 0:
+        each query attends only its last ``window`` positions."""
         raise NotImplementedError
 
     def gather(self, layer: int, idx: mx.array, dtype) -> tuple[mx.array, mx.array]:
@@ -109,14 +126,14 @@ class KVScheme:
 
 
 class DenseScheme(KVScheme):
-    def __init__(self, spec: KVSchemeSpec, num_layers: int, num_slots: int, n_kv_heads: int):
+    def __init__(self, spec: KVSchemeSpec, layers, num_slots: int):
         from .. import ops
 
         self._ops = ops
         self.spec = spec
-        shape = (num_slots, n_kv_heads, spec.head_dim)
-        self.keys = [mx.zeros(shape, spec.dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, spec.dtype) for _ in range(num_layers)]
+        shapes = [(num_slots, layer.n_kv_heads, layer.head_dim) for layer in layers]
+        self.keys = [mx.zeros(shape, spec.dtype) for shape in shapes]
+        self.values = [mx.zeros(shape, spec.dtype) for shape in shapes]
         mx.eval(self.keys, self.values)
 
     def arrays(self):
@@ -130,10 +147,11 @@ class DenseScheme(KVScheme):
             keys[layer], values[layer], slots, k.astype(keys[layer].dtype),
             v.astype(values[layer].dtype))
 
-    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
+    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size,
+                        window=0):
         return self._ops.paged_attention(q, self.keys[layer], self.values[layer], block_tables,
                                          seq_idx, positions, scale=scale, block_size=block_size,
-                                         merge_heads=True)
+                                         merge_heads=True, window=window)
 
     def gather(self, layer, idx, dtype):
         k, v = self.keys[layer][idx], self.values[layer][idx]
@@ -143,13 +161,13 @@ class DenseScheme(KVScheme):
 
 
 class QuantScheme(KVScheme):
-    def __init__(self, spec: KVSchemeSpec, num_layers: int, num_slots: int, n_kv_heads: int):
+    def __init__(self, spec: KVSchemeSpec, layers, num_slots: int):
         self.spec = spec
-        self.fmt = fmt = spec.fmt
-        self.data = [mx.zeros((num_slots, n_kv_heads, fmt.row_bytes), mx.uint8)
-                     for _ in range(num_layers)]
-        self.signs = [mx.array(kq.rotation_signs(spec.seed, layer, fmt.head_dim))
-                      if fmt.v_turbo else None for layer in range(num_layers)]
+        self.fmts = [spec.for_head_dim(layer.head_dim).fmt for layer in layers]
+        self.data = [mx.zeros((num_slots, layer.n_kv_heads, fmt.row_bytes), mx.uint8)
+                     for layer, fmt in zip(layers, self.fmts)]
+        self.signs = [mx.array(kq.rotation_signs(spec.seed, i, fmt.head_dim))
+                      if fmt.v_turbo else None for i, fmt in enumerate(self.fmts)]
         mx.eval(self.data, [s for s in self.signs if s is not None])
 
     def arrays(self):
@@ -158,15 +176,17 @@ class QuantScheme(KVScheme):
     def write(self, layer, slots, k, v):
         from .. import ops
 
-        packed = kq.kv_quant_encode(k, v, self.fmt, self.signs[layer])
+        packed = kq.kv_quant_encode(k, v, self.fmts[layer], self.signs[layer])
         self.data[layer] = ops.kv_write(self.data[layer], slots, packed)  # in place (donated)
 
-    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size):
+    def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size,
+                        window=0):
         lead, (Hq, D) = q.shape[:-2], q.shape[-2:]
         out = kq.kv_quant_paged_attention(q.reshape(-1, Hq, D), self.data[layer], block_tables,
                                           seq_idx, positions, scale=scale, block_size=block_size,
-                                          fmt=self.fmt, signs=self.signs[layer])
+                                          fmt=self.fmts[layer], signs=self.signs[layer],
+                                          window=window)
         return out.reshape(*lead, -1)
 
     def gather(self, layer, idx, dtype):
-        return kq.kv_quant_dequant(self.data[layer][idx], self.fmt, self.signs[layer], dtype)
+        return kq.kv_quant_dequant(self.data[layer][idx], self.fmts[layer], self.signs[layer], dtype)

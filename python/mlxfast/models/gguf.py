@@ -33,6 +33,14 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms around attention and MLP (llama.cpp names -> HF).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES_OF = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -104,7 +112,43 @@ def gguf_config(meta: dict) -> dict:
     kind = _scalar(meta, f"{arch}.rope.scaling.type")
     if kind == "linear" and scale:
         config["rope_scaling"] = {"type": "linear", "factor": float(scale)}
+    if arch == "gemma3":
+        config.update(_gemma3_config(get, config))
+    config["gguf_architecture"] = arch
     return config
+
+
+def _gemma3_config(get, config: dict) -> dict:
+    """What llama.cpp's gemma3 graph fixes or reads beyond the llama keys."""
+    n = config["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "tolist"):
+        sliding = [bool(x) for x in list(pattern)]  # per layer: true = sliding window
+        if len(sliding) != n:
+            raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(sliding)} entries "
+                             f"for {n} layers")
+    else:
+        every = int(pattern or 6)  # llama.cpp: every 6th layer is global
+        sliding = [(i + 1) % every != 0 for i in range(n)]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    # llama.cpp scales attention by 1/sqrt(head dim), except Gemma 3 27B
+    # (62 layers): 1/sqrt(hidden / heads), as its query_pre_attn_scalar says.
+    scalar = hidden / heads if n == 62 else config["head_dim"]
+    out = {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "sliding_window": int(get("attention.sliding_window", 512)),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": float(scalar),
+        "embed_scale": hidden ** 0.5,  # exact, as llama.cpp scales (HF rounds to bf16)
+        "norm_shifted": True,  # llama.cpp's converter stores 1 + w
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+    }
+    cap = get("final_logit_softcapping")
+    if cap:
+        out["final_logit_softcapping"] = float(cap)
+    return out
 
 
 def _unpermute(w: mx.array, n_heads: int) -> mx.array:
@@ -125,13 +169,15 @@ def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:
     ``group_size`` plus per-module overrides where a tensor differs.
     """
     out = {}
+    arch = config.get("gguf_architecture", "llama")
+    layer_names = _LAYER_NAMES_OF[arch]
     for name, arr in tensors.items():
         m = _LAYER_RE.match(name)
         if m:
             layer, part, kind = m.groups()
-            if part not in _LAYER_NAMES:
+            if part not in layer_names:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
-            out[f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"] = arr
+            out[f"model.layers.{layer}.{layer_names[part]}.{kind}"] = arr
             continue
         m = _TOP_RE.match(name)
         if m and m.group(1) in _TOP_NAMES:
@@ -141,7 +187,8 @@ def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:
             continue
         raise ValueError(f"unexpected GGUF tensor {name!r}")
 
-    for i in range(config["num_hidden_layers"]):
+    # llama.cpp permutes llama's q/k rows for its rotary layout; gemma3 keeps HF's.
+    for i in range(config["num_hidden_layers"] if arch == "llama" else 0):
         for proj, heads in (("q_proj", config["num_attention_heads"]),
                             ("k_proj", config["num_key_value_heads"])):
             for kind in ("weight", "scales", "biases", "bias"):

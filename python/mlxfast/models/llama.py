@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
+from ..kv.layer_spec import LayerKV, uniform_layers
 from .layers import Embedding, Linear, RMSNorm, RoPE, fuse_linears, token_positions
 
 
@@ -225,6 +226,12 @@ class Model(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    @property
+    def kv_layers(self) -> tuple[LayerKV, ...]:
+        """Every layer's KV needs (full attention throughout)."""
+        a = self.args
+        return uniform_layers(a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
 
     @property
     def dtype(self) -> mx.Dtype:

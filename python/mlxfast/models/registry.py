@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from . import llama
+from . import gemma3, llama
 
 MODEL_TYPES = {
     "llama": llama,
     "mistral": llama,
     "qwen2": llama,
     "qwen3": llama,
+    "gemma3_text": gemma3,
 }
 
-GGUF_ARCHITECTURES = ("llama",)
+GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 
 def model_module(model_type: str | None):
