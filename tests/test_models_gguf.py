@@ -61,7 +61,8 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, qtype, tied):
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_k_quants_match_gguf_dequantizer(tmp_path, qtype):
     """K-quant tensors (what most GGUF files hold): Q4_K/Q5_K become exact
-    affine groups, Q6_K fp16; the model computes with gguf's own values."""
+    affine groups, Q6_K 8-bit groups (requantized, near exact); the model
+    computes with gguf's own values."""
     dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     src = make_tiny_model(tmp_path / "src", "llama", tie_word_embeddings=False, **dims)
     config = json.loads((src / "config.json").read_text())
@@ -74,12 +75,13 @@ def test_k_quants_match_gguf_dequantizer(tmp_path, qtype):
     ref, _ = load_model(ref_dir)
     model, _, _ = _gguf_model(tmp_path / "m.gguf")
     gate_up = model.model.layers[0].mlp.gate_up_proj
-    if qtype == Q.Q6_K:
-        assert gate_up.weight.dtype == mx.float16
-    else:
-        assert isinstance(gate_up, QuantizedLinear) and gate_up.bits == (4 if qtype == Q.Q4_K else 8)
+    assert isinstance(gate_up, QuantizedLinear) and gate_up.bits == (4 if qtype == Q.Q4_K else 8)
     got, want = model(TOKENS, DenseKVCache(len(model.layers))), ref(TOKENS)
-    assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 1e-3
+    # Q6_K: the requantization's error with random int8 sub-block scales (one
+    # sub-block up to 100x its neighbour: its worst case; a real file's error
+    # is measured in test_gguf_quants.py)
+    tol = 3e-2 if qtype == Q.Q6_K else 1e-3
+    assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < tol
 
 
 def test_unloadable_tensor_types_are_named(tmp_path):
