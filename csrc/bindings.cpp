@@ -44,9 +44,9 @@ NB_MODULE(_ext, m) {
   m.def("rope", &mlxfast::rope, "x"_a, "positions"_a, "dims"_a, "traditional"_a, "base"_a.none(),
         "scale"_a, "freqs"_a.none(), nb::kw_only(), "stream"_a = nb::none());
   m.def("kv_write", &mlxfast::kv_write, "pool"_a, "slots"_a, "values"_a, nb::kw_only(),
-        "stream"_a = nb::none());
+        "inplace"_a = false, "stream"_a = nb::none());
   m.def("kv_write_pair", &mlxfast::kv_write_pair, "k_pool"_a, "v_pool"_a, "slots"_a, "k"_a,
-        "v"_a, nb::kw_only(), "stream"_a = nb::none());
+        "v"_a, nb::kw_only(), "inplace"_a = false, "stream"_a = nb::none());
   m.def("qkv_rope", &mlxfast::qkv_rope, "qkv"_a, "positions"_a, "n_heads"_a, "n_kv_heads"_a,
         "head_dim"_a, "dims"_a, "traditional"_a, "base"_a.none(), "scale"_a, "freqs"_a.none(),
         "q_norm"_a.none(), "k_norm"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none());

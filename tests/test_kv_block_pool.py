@@ -103,3 +103,38 @@ def test_second_reference_forces_a_copy_not_corruption():
     assert before.sum() == 0
     # The outside reference kept its contents: the write copied, it did not donate.
     assert pool.keys[0] is not held and float(held.sum()) == 0.0
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_kv_groups_share_storage_without_copies_or_crosstalk(native):
+    """Two KV groups (sliding, full) share each storage slot: a slot is written
+    by two layers in one step. The writes stay in place (no copy of the pool
+    per layer) and each layer attends only its own group's blocks."""
+    from mlxfast.kv.layer_spec import LayerKV
+
+    layers = [LayerKV(2, 64, 8), LayerKV(2, 64, 8), LayerKV(2, 64, 0), LayerKV(2, 64, 0)]
+    pool = KVPool(layers, num_blocks=512, block_size=16)
+    assert pool.groups.windows == (0, 8) and len(pool.keys) == 2
+    size = pool.keys[0].nbytes
+    mx.eval(pool.arrays())
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    tables = [list(range(0, 4)), list(range(4, 8))]  # group 0 (full), group 1 (sliding)
+    for step in range(6):
+        ctx = PagedContext(pool, [SeqSlice(tables, step, 1)], native=native)
+        outs = []
+        for layer in range(4):
+            q = mx.ones((1, 1, 4, 64))
+            v = mx.full((1, 1, 2, 64), float(10 * layer + step))
+            outs.append(ctx.attend(layer, q, mx.zeros_like(v), v, 0.125))  # equal scores
+        mx.eval(outs)
+        # values are constant per layer and step: attention averages this
+        # layer's own rows only (its group's blocks, its window)
+        for layer, o in enumerate(outs):
+            seen = range(max(0, step - 7) if layer < 2 else 0, step + 1)
+            want = np.mean([10 * layer + s for s in seen])
+            np.testing.assert_allclose(np.array(o), want, rtol=1e-5)
+        del outs, ctx
+        grown = mx.get_active_memory() - base
+        assert grown < size / 2, f"step {step}: active memory grew by {grown} bytes"
+    assert mx.get_peak_memory() - base < size  # not one copy of a pool array

@@ -40,22 +40,22 @@ struct Write {
 } // namespace
 
 mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& values,
-                   mx::StreamOrDevice s) {
+                   bool inplace, mx::StreamOrDevice s) {
   check(pool, slots, values);
-  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(mx::to_stream(s)),
+  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(mx::to_stream(s), inplace),
                    {pool, slots, values});
 }
 
 std::vector<mx::array> kv_write_pair(const mx::array& k_pool, const mx::array& v_pool,
                                      const mx::array& slots, const mx::array& k,
-                                     const mx::array& v, mx::StreamOrDevice s) {
+                                     const mx::array& v, bool inplace, mx::StreamOrDevice s) {
   check(k_pool, slots, k);
   check(v_pool, slots, v);
   if (k_pool.shape(0) != v_pool.shape(0))
     throw std::invalid_argument("[mlxfast.kv_write_pair] k_pool and v_pool differ in slots.");
   return mx::array::make_arrays({k_pool.shape(), v_pool.shape()},
                                 {k_pool.dtype(), v_pool.dtype()},
-                                std::make_shared<KvWrite>(mx::to_stream(s)),
+                                std::make_shared<KvWrite>(mx::to_stream(s), inplace),
                                 {k_pool, v_pool, slots, k, v});
 }
 
@@ -82,7 +82,7 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
     auto& pool = inputs[i];
     auto& out = outputs[i];
     auto& w = writes[i];
-    if (pool.is_donatable() && pool.flags().row_contiguous) {
+    if ((inplace_ || pool.is_donatable()) && pool.flags().row_contiguous) {
       out.copy_shared_buffer(pool);
     } else {
       out.set_data(mx::allocator::malloc(out.nbytes()));

@@ -215,7 +215,8 @@ def kv_write_reference(pool: mx.array, slots: mx.array, values: mx.array) -> mx.
     return pool
 
 
-def kv_write(pool: mx.array, slots: mx.array, values: mx.array, *, stream=None) -> mx.array:
+def kv_write(pool: mx.array, slots: mx.array, values: mx.array, *, inplace: bool = False,
+             stream=None) -> mx.array:
     """``pool`` with rows ``slots`` replaced by ``values``, as one primitive.
 
     pool [S, ...], slots [T] int32, values with pool's dtype and trailing
@@ -223,10 +224,13 @@ def kv_write(pool: mx.array, slots: mx.array, values: mx.array, *, stream=None) 
     for a ``[S, H, D]`` pool). Rebind the pool to the result and keep no
     other reference to the old one: then the write happens in place (MLX
     donates the buffer); otherwise the pool is copied. Out-of-range slots are
-    ignored.
+    ignored. ``inplace`` writes in place even when the old pool is still
+    referenced: for a pool several layers write within one graph (see
+    csrc/ops/kv_write.h for when that is safe: every pending reader of the old
+    version must run before the write, on the CPU stream).
     """
     if _on_cpu(stream):
-        return _ext.kv_write(pool, slots, values, stream=stream)
+        return _ext.kv_write(pool, slots, values, inplace=inplace, stream=stream)
     return kv_write_reference(pool, slots, values)
 
 
@@ -236,12 +240,12 @@ def kv_write_pair_reference(k_pool, v_pool, slots, k, v):
 
 
 def kv_write_pair(k_pool: mx.array, v_pool: mx.array, slots: mx.array, k: mx.array,
-                  v: mx.array, *, stream=None) -> tuple[mx.array, mx.array]:
+                  v: mx.array, *, inplace: bool = False, stream=None) -> tuple[mx.array, mx.array]:
     """``(kv_write(k_pool, slots, k), kv_write(v_pool, slots, v))`` as one
     primitive with two outputs; both pools are written in place under the same
-    rule as ``kv_write`` (rebind both, keep no other reference)."""
+    rule as ``kv_write`` (rebind both, keep no other reference; or ``inplace``)."""
     if _on_cpu(stream):
-        k_pool, v_pool = _ext.kv_write_pair(k_pool, v_pool, slots, k, v, stream=stream)
+        k_pool, v_pool = _ext.kv_write_pair(k_pool, v_pool, slots, k, v, inplace=inplace, stream=stream)
         return k_pool, v_pool
     return kv_write_pair_reference(k_pool, v_pool, slots, k, v)
 

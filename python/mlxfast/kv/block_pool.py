@@ -231,7 +231,8 @@ class KVPool:
         self.spec = kv_quant if isinstance(kv_quant, KVSchemeSpec) else parse_kv_quant(
             kv_quant, head_dim=self.layers[0].head_dim, dtype=self.dtype, group_size=group_size,
             seed=seed)
-        self.scheme = self.spec.create(self.groups.slot_layers(), num_blocks * block_size)
+        self.scheme = self.spec.create(self.groups.slot_layers(), num_blocks * block_size,
+                                       shared=len(self.groups) > 1)
 
     @property
     def scheme_id(self) -> str:

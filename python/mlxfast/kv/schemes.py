@@ -75,11 +75,14 @@ class KVSchemeSpec:
                 total += layer.n_kv_heads * spec.fmt.row_bytes
         return total
 
-    def create(self, layers, num_slots: int) -> "KVScheme":
-        """Storage of ``num_slots`` slots for each of ``layers`` (``LayerKV``s)."""
-        if self.kind == "dense":
-            return DenseScheme(self, layers, num_slots)
-        return QuantScheme(self, layers, num_slots)
+    def create(self, layers, num_slots: int, shared: bool = False) -> "KVScheme":
+        """Storage of ``num_slots`` slots for each of ``layers`` (``LayerKV``s).
+        ``shared``: several layers write each array within one step (KV
+        groups), so writes go in place (``ops.kv_write(inplace=True)``)
+        instead of copying an array an earlier layer's attention still reads."""
+        scheme = (DenseScheme if self.kind == "dense" else QuantScheme)(self, layers, num_slots)
+        scheme.inplace = shared
+        return scheme
 
 
 def parse_kv_quant(kv_quant: str | None, *, head_dim: int, dtype=mx.float32,
@@ -102,6 +105,7 @@ def parse_kv_quant(kv_quant: str | None, *, head_dim: int, dtype=mx.float32,
 
 class KVScheme:
     spec: KVSchemeSpec
+    inplace: bool = False
 
     @property
     def scheme_id(self) -> str:
@@ -145,7 +149,7 @@ class DenseScheme(KVScheme):
         keys, values = self.keys, self.values
         keys[layer], values[layer] = self._ops.kv_write_pair(
             keys[layer], values[layer], slots, k.astype(keys[layer].dtype),
-            v.astype(values[layer].dtype))
+            v.astype(values[layer].dtype), inplace=self.inplace)
 
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size,
                         window=0):
@@ -177,7 +181,7 @@ class QuantScheme(KVScheme):
         from .. import ops
 
         packed = kq.kv_quant_encode(k, v, self.fmts[layer], self.signs[layer])
-        self.data[layer] = ops.kv_write(self.data[layer], slots, packed)  # in place (donated)
+        self.data[layer] = ops.kv_write(self.data[layer], slots, packed, inplace=self.inplace)
 
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size,
                         window=0):
