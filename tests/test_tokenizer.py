@@ -447,3 +447,35 @@ def test_gguf_without_template_gets_the_turn_end_of_the_one_set(tmp_path):
     assert tok.chat_template is None and tok.eos_token_ids == {EOS}
     tok.chat_template = "{% for m in messages %}<start_of_turn>{{ m.content }}<end_of_turn>\n{% endfor %}"
     assert tok.eos_token_ids == {EOS, END_OF_TURN} and tok.is_special(END_OF_TURN)
+
+
+def test_long_text_encodes_alike_without_holding_the_gil():
+    """Texts above the threshold take encode_batch (which releases the GIL):
+    the same ids, and another thread keeps running meanwhile."""
+    import threading
+    import time
+
+    from mlxfast.models.loader import default_model_path
+    from mlxfast.models.gguf_file import GGUFFile
+    from mlxfast.text import tokenizer as tk
+
+    tok = tk.Tokenizer.from_gguf_metadata(GGUFFile(default_model_path()).metadata)
+    text = " ".join(f"word{i % 997} <|im_start|>" if i % 50 == 0 else f"w{i}" for i in range(60_000))
+    assert len(text) > tk._LONG_TEXT
+    assert tok.encode(text, add_special_tokens=True) == tok._hf.encode(text, add_special_tokens=True).ids
+    ticks, stop = [], threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=ticker)
+    th.start()
+    t0 = time.perf_counter()
+    tok.encode(text * 4)
+    took = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    # the other thread ticked throughout, not once before and once after
+    assert len([t for t in ticks if t0 < t < t0 + took]) >= 3

@@ -68,6 +68,9 @@ def _token_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+_LONG_TEXT = 16 << 10  # characters: above this, encode without holding the GIL
+
+
 class Tokenizer:
     """Encode, decode and chat-format text for one model."""
 
@@ -183,6 +186,10 @@ class Tokenizer:
         atomically. ``add_special_tokens`` adds BOS/EOS only where the model does."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects str, got {type(text).__name__}")
+        if len(text) > _LONG_TEXT:
+            # HF's encode holds the GIL throughout (9 s for 10 MB, the event
+            # loop and /health frozen); encode_batch releases it.
+            return self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
