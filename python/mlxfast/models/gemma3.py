@@ -12,7 +12,7 @@ by sqrt(hidden); a GELU-tanh gated MLP; the attention scale from
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,8 +53,7 @@ class ModelArgs(llama.ModelArgs):
         act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_approx"):
             raise ValueError(f"Gemma 3 MLP activation {act!r} is not supported (gelu_pytorch_tanh)")
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in config.items() if k in known and k != "extra"}
+        kwargs = cls.known_fields(config)
         kwargs["qk_norm"] = True
         kwargs["attention_bias"] = bool(config.get("attention_bias", False))
         kwargs.setdefault("tie_word_embeddings", bool(config.get("tie_word_embeddings", True)))
@@ -63,11 +62,7 @@ class ModelArgs(llama.ModelArgs):
             n = int(config.get("num_hidden_layers", 0))
             pattern = int(config.get("sliding_window_pattern", 6))
             kwargs["layer_types"] = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
-        missing = [n for n in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                               "num_attention_heads", "vocab_size") if n not in kwargs]
-        if missing:
-            raise ValueError(f"config.json is missing {', '.join(missing)}")
-        return cls(**kwargs)
+        return cls.build(kwargs)
 
 
 class Attention(llama.Attention):

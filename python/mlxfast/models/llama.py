@@ -53,10 +53,23 @@ class ModelArgs:
             )
 
     @classmethod
+    def known_fields(cls, config: dict) -> dict:
+        """The config entries that are fields of ``cls``."""
+        known = {f.name for f in fields(cls)}
+        return {k: v for k, v in config.items() if k in known and k != "extra"}
+
+    @classmethod
+    def build(cls, kwargs: dict) -> "ModelArgs":
+        missing = [n for n in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                               "num_attention_heads", "vocab_size") if n not in kwargs]
+        if missing:
+            raise ValueError(f"config.json is missing {', '.join(missing)}")
+        return cls(**kwargs)
+
+    @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
         kind = config.get("model_type")
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in config.items() if k in known and k != "extra"}
+        kwargs = cls.known_fields(config)
         if kind == "qwen2":
             kwargs.setdefault("attention_bias", True)
             kwargs.setdefault("tie_word_embeddings", False)
@@ -64,11 +77,7 @@ class ModelArgs:
             kwargs["qk_norm"] = True
             kwargs["attention_bias"] = bool(config.get("attention_bias", False))
         kwargs.setdefault("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)))
-        missing = [n for n in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                               "num_attention_heads", "vocab_size") if n not in kwargs]
-        if missing:
-            raise ValueError(f"config.json is missing {', '.join(missing)}")
-        return cls(**kwargs)
+        return cls.build(kwargs)
 
 
 class Attention(nn.Module):
