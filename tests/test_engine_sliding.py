@@ -231,3 +231,18 @@ def test_engine_with_quantized_kv_equals_its_reference(model, kv_quant):
     want = ref[np.arange(len(p) - 1), p[1:]]
     # (see close_under_quantized_kv; TurboQuant's value codebook flips too)
     assert np.abs(scores - want).mean() < 0.1 and np.median(np.abs(scores - want)) < 0.05
+
+
+def test_speculative_decoding_over_sliding_groups(model):
+    """N-gram drafts past the window: verified rows grow every group's table,
+    rejected drafts roll back, and the tokens are the one-shot greedy ones."""
+    base = prompt(70, 30)
+    p = base * 4  # repeats: the n-gram proposer finds drafts
+    eng = engine(model, spec_kind="ngram", num_draft_tokens=4)
+    try:
+        tokens_lps = run(eng, [p], max_tokens=40)[0]
+        st = eng.stats()
+    finally:
+        eng.shutdown()
+    check_against_one_shot(model, p, tokens_lps)
+    assert st["spec_decode"]["num_draft_tokens"] > 0
