@@ -16,7 +16,7 @@ from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
 from mlxfast.engine.scheduler import Scheduler, Seq
 from mlxfast.kv import DenseKVCache
-from mlxfast.kv.block_pool import BlockAllocator
+from mlxfast.kv.allocator import BlockAllocator
 
 ATOL = 1e-4
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from mlxfast.engine.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Seq
-from mlxfast.kv.block_pool import BlockAllocator
+from mlxfast.kv.allocator import BlockAllocator
 
 
 def make(num_blocks=64, bs=4, **kw):
@@ -272,3 +272,17 @@ def test_full_groups_only_behave_as_one_table():
         assert b.cached_tokens == 8
         assert all(len(t) == 3 for t in b.block_tables)
     assert two.alloc.num_free == two.alloc.num_blocks - 2 * 3  # every group has its own blocks
+
+
+def test_scheduler_and_allocator_import_without_mlx():
+    """The pure half of the engine: scheduling and block accounting need no MLX."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import mlxfast.engine.scheduler, mlxfast.kv.allocator, mlxfast.kv.layer_spec, mlxfast.engine.api\n"
+            "bad = sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.') or m == 'mlxfast._ext')\n"
+            "print(bad)\n"
+            "sys.exit(1 if bad else 0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -4,7 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxfast.kv.block_pool import BlockAllocator, KVPool, block_hash, chain_hashes
+from mlxfast.kv.allocator import BlockAllocator, block_hash, chain_hashes
+from mlxfast.kv.block_pool import KVPool
 from mlxfast.kv.layer_spec import uniform_layers
 from mlxfast.kv.paged import PagedContext, SeqSlice
 

@@ -1,10 +1,22 @@
-"""mlxfast: a fast local LLM inference server and library on MLX."""
+"""mlxfast: a fast local LLM inference server and library on MLX.
 
-import mlx.core as _mx  # noqa: F401  (libmlx must be loaded before _ext)
-
-from . import _ext  # noqa: F401
+Importing the package loads nothing of MLX: the pure parts (the scheduler,
+the block allocator, the API types) import without it. ``mlxfast._ext`` needs
+libmlx loaded first: the modules that use it import ``mlx.core`` before it,
+and ``from mlxfast import _ext`` does so here.
+"""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "_ext":
+        import importlib
+
+        import mlx.core  # noqa: F401  (libmlx before the extension)
+
+        return importlib.import_module("mlxfast._ext")
+    raise AttributeError(f"module 'mlxfast' has no attribute {name!r}")
 
 
 def load(path=None, **kwargs):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..kv.block_pool import BlockAllocator, KVPool
+from ..kv.allocator import BlockAllocator
+from ..kv.block_pool import KVPool
 from .runner import Runner
 from .scheduler import Row, Seq, StepPlan
 

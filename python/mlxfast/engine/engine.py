@@ -30,7 +30,8 @@ from collections import deque
 
 import mlx.core as mx
 
-from ..kv.block_pool import BlockAllocator, KVPool, default_kv_dtype, kv_dtype
+from ..kv.allocator import BlockAllocator
+from ..kv.block_pool import KVPool, default_kv_dtype, kv_dtype
 from ..kv.layer_spec import KVGroups
 from ..kv.schemes import parse_kv_quant
 from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kv.block_pool import BlockAllocator, block_hash, chain_hashes
+from ..kv.allocator import BlockAllocator, block_hash, chain_hashes
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 

@@ -3,6 +3,12 @@
 merged for the output projection) and
 reads ``cache.offsets``; how K/V are stored is the cache's business."""
 
-from .dense import DenseKVCache
-
 __all__ = ["DenseKVCache"]
+
+
+def __getattr__(name):  # lazily: kv.allocator and kv.layer_spec import without MLX
+    if name == "DenseKVCache":
+        from .dense import DenseKVCache
+
+        return DenseKVCache
+    raise AttributeError(f"module 'mlxfast.kv' has no attribute {name!r}")

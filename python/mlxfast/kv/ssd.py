@@ -62,7 +62,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _ext
-from .block_pool import chain_hashes
+from .allocator import chain_hashes
 
 log = logging.getLogger("mlxfast.ssd")
 
