@@ -177,6 +177,9 @@ class FakeEngine:
     def abort(self, rid):
         self.aborted.append(rid)
 
+    def flush_cache(self, timeout=30.0):
+        return {"durable": True, "enabled": False}
+
     def shutdown(self, timeout=None, ssd_flush_timeout=None):
         self.alive = False
 

@@ -256,3 +256,15 @@ def test_kv_cache_dtype_flag(model):
         assert len(toks) == 6 and fin.finish_reason == "length"
     finally:
         eng.shutdown()
+
+
+def test_engine_and_the_route_tests_fake_implement_the_server_contract():
+    """The server depends on engine.api.EngineLike only; both engines have it all."""
+    from conftest import FakeEngine
+
+    from mlxfast.engine.api import EngineLike
+
+    eng = Engine(tiny_model(0), ToyTokenizer(), EngineConfig(num_blocks=16, block_size=8))
+    assert isinstance(eng, EngineLike)
+    assert isinstance(FakeEngine(ToyTokenizer(), lambda r: ""), EngineLike)
+    assert not isinstance(object(), EngineLike)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
 _ids = itertools.count()
 
@@ -105,15 +105,31 @@ class EngineOverloaded(RuntimeError):
     """The wait queue is full (a 429/503 with Retry-After)."""
 
 
-# The engine's public surface (implemented in engine/engine.py):
-#
-#   engine = Engine(model, tokenizer, EngineConfig(...)); engine.start()
-#   stream = engine.submit(request)      # from inside a running asyncio loop;
-#                                        # raises EngineDead, PromptTooLong,
-#                                        # EngineOverloaded
-#   async for event in stream: ...       # TokenEvent* then one FinishEvent
-#   engine.abort(request_id)             # thread-safe; ends with "abort"
-#   engine.alive / engine.error          # health
-#   engine.stats() -> dict               # counters for /stats and /metrics
-#   engine.max_model_len                 # context length in tokens
-#   engine.shutdown(timeout)             # abort or finish in-flight, join thread
+@runtime_checkable
+class EngineLike(Protocol):
+    """The engine's public surface, what the server depends on (implemented by
+    ``engine.engine.Engine``; the route tests' scripted engine implements it too).
+
+        engine = Engine(model, tokenizer, EngineConfig(...)).start()
+        stream = engine.submit(request)   # inside a running asyncio loop; raises
+                                          # EngineDead, PromptTooLong, EngineOverloaded
+        async for event in stream: ...    # TokenEvent* then one FinishEvent
+    """
+
+    alive: bool  # False once the engine thread has died or shut down
+    error: str | None  # why it died
+    max_model_len: int  # the context length in tokens (prompt plus output)
+
+    def submit(self, request: Request) -> AsyncIterator[TokenEvent | FinishEvent]: ...
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request ends with finish reason "abort"."""
+
+    def stats(self) -> dict:
+        """Counters for /stats and /metrics."""
+
+    def flush_cache(self, timeout: float = 30.0) -> dict:
+        """Make cached KV durable (SSD tier): ``{"durable": bool, ...}``."""
+
+    def shutdown(self, timeout: float | None = 10.0, ssd_flush_timeout: float | None = None) -> None:
+        """Abort in-flight requests, join the thread, flush the SSD tier."""

@@ -28,7 +28,7 @@ async def health(request: Request):
     if state.status == "stopping":
         return JSONResponse({"status": "stopping"}, status_code=503)
     if not state.engine_alive():
-        err = getattr(state.engine, "error", None)
+        err = state.engine.error if state.engine is not None else None
         return JSONResponse({"status": "error", "error": f"engine stopped: {err or 'unknown'}"}, status_code=503)
     return {"status": "ok"}
 
@@ -80,8 +80,7 @@ async def cache_flush(request: Request):
         timeout = float(request.query_params.get("timeout", 60))
     except ValueError:
         raise bad_request("timeout must be a number of seconds", "timeout") from None
-    flush = getattr(engine, "flush_cache", None)
-    result = await asyncio.to_thread(flush, timeout) if flush else {"durable": True, "enabled": False}
+    result = await asyncio.to_thread(engine.flush_cache, timeout)
     return JSONResponse(_jsonable(result), status_code=200 if result.get("durable") else 503)
 
 

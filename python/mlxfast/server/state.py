@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.api import EngineLike
 from .errors import APIError
 from .metrics import Metrics
 
@@ -35,7 +36,7 @@ class ServerSettings:
 @dataclass
 class ServerState:
     settings: ServerSettings = field(default_factory=ServerSettings)
-    engine: Any = None
+    engine: EngineLike | None = None
     tokenizer: Any = None
     model: Any = None
     status: str = "loading"  # loading | ready | failed | stopping
@@ -56,9 +57,8 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        n = getattr(self.engine, "max_model_len", None)
-        if isinstance(n, int) and n > 0:
-            return n
+        if self.engine is not None:
+            return self.engine.max_model_len
         cfg = getattr(self.model, "config", None) or {}
         if isinstance(cfg, dict):
             return int(cfg.get("max_position_embeddings") or 4096)
@@ -96,7 +96,7 @@ class ServerState:
         e = self.engine
         if e is None:
             return False
-        return bool(getattr(e, "alive", True))
+        return e.alive
 
     def require_ready(self):
         """The engine, or a 503 saying why there is none."""
@@ -106,8 +106,8 @@ class ServerState:
         if self.status == "stopping":
             raise APIError(503, "the server is shutting down", "overloaded_error")
         if not self.engine_alive():
-            err = getattr(self.engine, "error", None)
-            raise APIError(503, f"the engine has stopped: {err or 'unknown error'}", "server_error")
+            raise APIError(503, f"the engine has stopped: {self.engine.error or 'unknown error'}",
+                           "server_error")
         return self.engine
 
     @property
@@ -129,7 +129,7 @@ class ServerState:
 
     def engine_stats(self) -> dict:
         e = self.engine
-        if e is None or not hasattr(e, "stats"):
+        if e is None:
             return {}
         try:
             s = e.stats()
