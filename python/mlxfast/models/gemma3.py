@@ -20,7 +20,7 @@ import mlx.nn as nn
 from .. import ops
 from ..kv.layer_spec import LayerKV
 from . import llama
-from .layers import Embedding, RMSNorm, RoPE, token_positions
+from .layers import RMSNorm, RoPE
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -111,54 +111,24 @@ class Block(nn.Module):
         return _add(h, self["post_feedforward_layernorm"](r))
 
 
-class Body(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-
 class Model(llama.Model):
     """Causal LM with llama.Model's interface (``model(tokens, cache, logit_rows)``)."""
 
+    block = Block
+
     def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Body(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = llama.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args)
         scale = args.embed_scale
         if scale is None:
             scale = mx.array(math.sqrt(args.hidden_size), mx.bfloat16).item()
-        self._embed_scale = float(scale)
+        self.embed_scale = float(scale)
+        self.logit_softcap = args.final_logit_softcapping or None
 
     @property
     def kv_layers(self) -> tuple[LayerKV, ...]:
         a = self.args
         return tuple(LayerKV(a.num_key_value_heads, a.head_dim,
                              a.sliding_window if kind == SLIDING else 0) for kind in a.layer_types)
-
-    def __call__(self, tokens: mx.array, cache, logit_rows: mx.array | None = None) -> mx.array:
-        body = self["model"]
-        embed, norm = body["embed_tokens"], body["norm"]
-        h = embed(tokens)
-        dtype = norm["weight"].dtype
-        if h.dtype != dtype:
-            h = h.astype(dtype)
-        h = h * mx.array(self._embed_scale, dtype)
-        positions = token_positions(cache.offsets, *tokens.shape[:2])
-        for layer in body["layers"]:
-            h = layer(h, cache, positions)
-        if logit_rows is not None:
-            h = h.reshape(-1, h.shape[-1])[logit_rows]
-        logits = embed.as_linear(h, norm=norm) if self.args.tie_word_embeddings \
-            else self["lm_head"](h, norm=norm)
-        cap = self.args.final_logit_softcapping
-        if cap:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
 
     def sanitize(self, weights: dict) -> dict:
         weights = super().sanitize(weights)

@@ -187,10 +187,10 @@ class Block(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, block=Block):
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [block(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -201,11 +201,17 @@ class Model(nn.Module):
     output head to those positions, e.g. the last token of each prefill.
     """
 
+    # What a family built on this one may change: its decoder layer, a scale
+    # on the embeddings and a soft cap on the logits (c * tanh(z / c)).
+    block = Block
+    embed_scale: float | None = None
+    logit_softcap: float | None = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Body(args)
+        self.model = Body(args, self.block)
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -220,6 +226,8 @@ class Model(nn.Module):
         dtype = norm["weight"].dtype
         if h.dtype != dtype:
             h = h.astype(dtype)
+        if self.embed_scale is not None:
+            h = h * mx.array(self.embed_scale, dtype)
         positions = token_positions(cache.offsets, *tokens.shape[:2])
         for layer in body["layers"]:
             h = layer(h, cache, positions)
@@ -227,8 +235,11 @@ class Model(nn.Module):
             h = h.reshape(-1, h.shape[-1])[logit_rows]
         # The final norm runs inside the head's matmul (after the row gather).
         if self.args.tie_word_embeddings:
-            return embed.as_linear(h, norm=norm)
-        return self["lm_head"](h, norm=norm)
+            logits = embed.as_linear(h, norm=norm)
+        else:
+            logits = self["lm_head"](h, norm=norm)
+        cap = self.logit_softcap
+        return logits if cap is None else mx.tanh(logits / cap) * cap
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections (after the weights are loaded)."""
