@@ -107,3 +107,34 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 __all__ = ["tiny_model", "dense_greedy", "ToyTokenizer", "run_requests", "collect", "greedy", "FinishEvent"]
+
+
+def paged_log_probs(model, ids, *, kv_quant="off", dtype=mx.float32, native=None, chunk=16, bs=4,
+                    rows=None):
+    """Log-probs of a chunked prefill through ``PagedContext`` over a pool with
+    the model's KV groups, sliding groups' tables released as the scheduler
+    releases them (entries wholly before the window are -1). ``rows``: only
+    those positions (the head runs on them alone)."""
+    import numpy as np
+
+    from mlxfast.kv.block_pool import KVPool
+    from mlxfast.kv.paged import PagedContext, SeqSlice
+
+    n = len(ids)
+    nb = -(-n // bs)
+    pool = KVPool(model.kv_layers, len(model.kv_layers) * nb, bs, dtype, kv_quant=kv_quant)
+    tables = [list(range(g * nb, (g + 1) * nb)) for g in range(len(pool.groups))]
+    out = []
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        shown = [[-1 if w and (b + 1) * bs <= start - w + 1 else t for b, t in enumerate(table)]
+                 for table, w in zip(tables, pool.groups.windows)]
+        ctx = PagedContext(pool, [SeqSlice(shown, start, m)], native=native)
+        mine = list(range(m)) if rows is None else [r - start for r in rows if start <= r < start + m]
+        if not mine:
+            model(mx.array(ids[start:start + m])[:, None], ctx, logit_rows=mx.array([0]))
+            continue
+        logits = model(mx.array(ids[start:start + m])[:, None], ctx, logit_rows=mx.array(mine))
+        logits = logits.reshape(len(mine), -1).astype(mx.float32)
+        out.append(np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
+    return np.concatenate(out)

@@ -14,13 +14,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine_utils import ToyTokenizer, greedy
+from engine_utils import ToyTokenizer, greedy, paged_log_probs
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
 from mlxfast.engine.api import Request, TokenEvent
 from mlxfast.kv import DenseKVCache
 from mlxfast.kv.block_pool import KVPool
-from mlxfast.kv.paged import PagedContext, SeqSlice
 from mlxfast.models.loader import load_hf_dir
 from tiny_models import make_tiny_model
 
@@ -54,22 +53,7 @@ def one_shot(model, ids):
 
 
 def paged(model, ids, kv_quant="off", native=None, chunk=16):
-    """Chunked prefill over a pool with sliding groups (tables as the scheduler keeps them)."""
-    n = len(ids)
-    pool = KVPool(model.kv_layers, 3 * (n // BS + 2), BS, mx.float32, kv_quant=kv_quant)
-    G = len(pool.groups)
-    nb = -(-n // BS)
-    tables = [list(range(g * nb, (g + 1) * nb)) for g in range(G)]
-    out = []
-    for start in range(0, n, chunk):
-        m = min(chunk, n - start)
-        # released entries: what the window leaves behind, as the scheduler marks them
-        shown = [[-1 if w and (b + 1) * BS <= start - w + 1 else t for b, t in enumerate(table)]
-                 for table, w in zip(tables, pool.groups.windows)]
-        ctx = PagedContext(pool, [SeqSlice(shown, start, m)], native=native)
-        logits = model(mx.array(ids[start:start + m])[:, None], ctx)
-        out.append(log_softmax(logits.reshape(m, -1)))
-    return np.concatenate(out)
+    return paged_log_probs(model, ids, kv_quant=kv_quant, native=native, chunk=chunk, bs=BS)
 
 
 def engine(model, **kw):

@@ -16,9 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine_utils import paged_log_probs
 from mlxfast.kv import DenseKVCache
-from mlxfast.kv.block_pool import KVPool
-from mlxfast.kv.paged import PagedContext, SeqSlice
 from mlxfast.models.loader import load
 
 DATA = Path(__file__).parent / "data"
@@ -137,27 +136,6 @@ def _log_softmax(logits: mx.array) -> np.ndarray:
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-def _paged_reference(model, ids, rows, chunk=512, bs=16):
-    """The pure-MLX path: PagedContext's reference attention (gathered K/V,
-    explicit sliding-window masks) over a pool whose sliding groups release
-    what leaves their window, as the scheduler does; log-probs at ``rows``."""
-    n = len(ids)
-    nb = -(-n // bs)
-    pool = KVPool(model.kv_layers, len(model.kv_layers) * nb, bs, mx.float16)
-    tables = [list(range(g * nb, (g + 1) * nb)) for g in range(len(pool.groups))]
-    out = []
-    for start in range(0, n, chunk):
-        m = min(chunk, n - start)
-        shown = [[-1 if w and (b + 1) * bs <= start - w + 1 else t for b, t in enumerate(table)]
-                 for table, w in zip(tables, pool.groups.windows)]
-        ctx = PagedContext(pool, [SeqSlice(shown, start, m)], native=False)
-        mine = [r - start for r in rows if start <= r < start + m]
-        logits = model(mx.array(ids[start:start + m])[:, None], ctx, logit_rows=mx.array(mine or [0]))
-        if mine:
-            out.append(_log_softmax(logits))
-    return np.concatenate(out)
-
-
 @pytest.mark.slow
 def test_long_context_same_logits_on_every_path(gemma):
     """1,536 tokens, three times the window: the paged engine (chunked
@@ -187,7 +165,8 @@ def test_long_context_same_logits_on_every_path(gemma):
     engine_lp = np.array([events[0].prompt_logprobs[r + 1].logprob for r in rows])
     one = _log_softmax(model(mx.array([ids]), DenseKVCache.for_model(model),
                              logit_rows=mx.array(rows)))
-    ref = _paged_reference(model, ids, rows)
+    # the pure-MLX path: gathered K/V and explicit window masks
+    ref = paged_log_probs(model, ids, dtype=mx.float16, native=False, chunk=512, bs=16, rows=rows)
     k = np.arange(len(rows))
     # f16 KV (the engine's and the reference's) against the one-shot's f32 KV
     np.testing.assert_allclose(engine_lp, one[k, nxt], atol=0.05)
