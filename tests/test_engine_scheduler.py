@@ -286,3 +286,18 @@ def test_scheduler_and_allocator_import_without_mlx():
             "sys.exit(1 if bad else 0)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_kv_groups_of_a_layer_spec():
+    from mlxfast.kv.layer_spec import KVGroups, LayerKV
+
+    full, slid = LayerKV(1, 64), LayerKV(1, 64, 512)
+    g = KVGroups([slid] * 5 + [full] + [slid] * 5 + [full])  # Gemma-like: 10 sliding, 2 full
+    assert g.windows == (0, 512, 512, 512, 512, 512) and g.group_size == 2
+    assert g.where[5] == (0, 0) and g.where[11] == (0, 1) and g.where[0] == (1, 0)
+    # one group: every layer slides -> it releases; unless release is off (SSD tier, draft pools)
+    assert KVGroups([slid] * 4).windows == (512,)
+    assert KVGroups([slid] * 4, release=False).windows == (0,)
+    assert KVGroups([slid] * 3 + [full], release=False).windows == (0,)
+    with pytest.raises(ValueError, match="different KV shapes"):
+        KVGroups([LayerKV(1, 64, 8), LayerKV(2, 64)])

@@ -54,21 +54,20 @@ class KVGroups:
         self.layers = tuple(layers)
         if not self.layers:
             raise ValueError("a model needs at least one attention layer")
-        shapes = {(s.n_kv_heads, s.head_dim) for s in self.layers}
         windows = sorted({s.window for s in self.layers})
         if not release or len(windows) == 1:
-            groups = [KVGroup(0 if len(windows) > 1 else windows[0], tuple(range(len(self.layers))))]
+            # One group of all layers; it releases blocks only when every
+            # layer slides and releasing is wanted.
+            window = windows[0] if release else 0
+            groups = [KVGroup(window, tuple(range(len(self.layers))))]
         else:
             by_window = {w: [i for i, s in enumerate(self.layers) if s.window == w] for w in windows}
             size = math.gcd(*(len(ix) for ix in by_window.values()))
             groups = [KVGroup(w, tuple(ix[j:j + size]))
                       for w, ix in by_window.items() for j in range(0, len(ix), size)]
-        if len(groups) > 1 and len(shapes) > 1:
-            # Layers sharing a slot across groups must store the same shape.
-            for j in range(len(groups[0].layers)):
-                if len({(self.layers[g.layers[j]].n_kv_heads, self.layers[g.layers[j]].head_dim)
-                        for g in groups}) > 1:
-                    raise ValueError("sliding and full layers with different KV shapes are not supported")
+        for slot in zip(*(g.layers for g in groups)):  # layers sharing a storage slot
+            if len({(self.layers[i].n_kv_heads, self.layers[i].head_dim) for i in slot}) > 1:
+                raise ValueError("layers of different KV shapes in one storage slot are not supported")
         self.groups = tuple(groups)
         self.group_size = len(groups[0].layers)
         self.where = {}  # layer -> (group, slot)
