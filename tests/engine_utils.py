@@ -66,7 +66,7 @@ def dense_greedy(model, prompt, n):
     """Greedy tokens from a plain dense-cache forward: the engine's oracle."""
     from mlxfast.kv import DenseKVCache
 
-    cache = DenseKVCache(len(model.layers))
+    cache = DenseKVCache.for_model(model)
     logits = model(mx.array([prompt]), cache)
     cache.advance(len(prompt))
     out = []

@@ -220,3 +220,18 @@ def test_served_completion_and_chat(gemma_server, gemma):
                                        logit_bias={str(end[0]): 30})
     assert s.choices[0].finish_reason == "stop"
     assert "<end_of_turn>" not in s.choices[0].message.content and s.usage.completion_tokens <= 16
+
+
+def test_gguf_config_reads_a_per_layer_sliding_pattern():
+    """Newer llama.cpp files store gemma3.attention.sliding_window_pattern as one
+    bool per layer (numpy array in the metadata); older ones not at all."""
+    from mlxfast.models.gguf import gguf_config
+
+    base = {"general.architecture": "gemma3", "gemma3.block_count": 4, "gemma3.embedding_length": 64,
+            "gemma3.feed_forward_length": 128, "gemma3.attention.head_count": 4,
+            "gemma3.attention.key_length": 16, "gemma3.vocab_size": 100}
+    cfg = gguf_config(dict(base, **{"gemma3.attention.sliding_window_pattern": np.array([1, 0, 1, 1], bool)}))
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert gguf_config(dict(base))["layer_types"] == ["sliding_attention"] * 4  # every 6th is global
+    with pytest.raises(ValueError, match="3 entries for 4 layers"):
+        gguf_config(dict(base, **{"gemma3.attention.sliding_window_pattern": np.array([1, 0, 1], bool)}))

@@ -80,9 +80,7 @@ class KVSchemeSpec:
         ``shared``: several layers write each array within one step (KV
         groups), so writes go in place (``ops.kv_write(inplace=True)``)
         instead of copying an array an earlier layer's attention still reads."""
-        scheme = (DenseScheme if self.kind == "dense" else QuantScheme)(self, layers, num_slots)
-        scheme.inplace = shared
-        return scheme
+        return (DenseScheme if self.kind == "dense" else QuantScheme)(self, layers, num_slots, shared)
 
 
 def parse_kv_quant(kv_quant: str | None, *, head_dim: int, dtype=mx.float32,
@@ -105,7 +103,7 @@ def parse_kv_quant(kv_quant: str | None, *, head_dim: int, dtype=mx.float32,
 
 class KVScheme:
     spec: KVSchemeSpec
-    inplace: bool = False
+    inplace: bool  # writes in place even when the old array is referenced (see create)
 
     @property
     def scheme_id(self) -> str:
@@ -130,11 +128,12 @@ class KVScheme:
 
 
 class DenseScheme(KVScheme):
-    def __init__(self, spec: KVSchemeSpec, layers, num_slots: int):
+    def __init__(self, spec: KVSchemeSpec, layers, num_slots: int, inplace: bool = False):
         from .. import ops
 
         self._ops = ops
         self.spec = spec
+        self.inplace = inplace
         shapes = [(num_slots, layer.n_kv_heads, layer.head_dim) for layer in layers]
         self.keys = [mx.zeros(shape, spec.dtype) for shape in shapes]
         self.values = [mx.zeros(shape, spec.dtype) for shape in shapes]
@@ -165,8 +164,9 @@ class DenseScheme(KVScheme):
 
 
 class QuantScheme(KVScheme):
-    def __init__(self, spec: KVSchemeSpec, layers, num_slots: int):
+    def __init__(self, spec: KVSchemeSpec, layers, num_slots: int, inplace: bool = False):
         self.spec = spec
+        self.inplace = inplace
         self.fmts = [spec.for_head_dim(layer.head_dim).fmt for layer in layers]
         self.data = [mx.zeros((num_slots, layer.n_kv_heads, fmt.row_bytes), mx.uint8)
                      for layer, fmt in zip(layers, self.fmts)]

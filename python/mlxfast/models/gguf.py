@@ -73,7 +73,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
 
 def _scalar(meta: dict, key: str, default=None):
     v = meta.get(key, default)
-    return v.item() if hasattr(v, "item") else v
+    return v.item() if hasattr(v, "item") and getattr(v, "size", 1) == 1 else v  # arrays stay arrays
 
 
 def gguf_config(meta: dict) -> dict:
