@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxfast import ops
-from mlxfast.ops_kvquant import KVQuantFormat, rotation_signs
+from mlxfast.ops.kvquant import KVQuantFormat, rotation_signs
 
 FORMATS = [KVQuantFormat(64, 8, 8, 64, False), KVQuantFormat(64, 4, 4, 64, False),
            KVQuantFormat(64, 8, 8, 32, False), KVQuantFormat(64, 4, 4, 32, False),

@@ -18,7 +18,7 @@ from mlxfast.kv.block_pool import KVPool
 from mlxfast.kv.layer_spec import uniform_layers
 from mlxfast.kv.paged import PagedContext, SeqSlice
 from mlxfast.kv.schemes import parse_kv_quant
-from mlxfast.ops_kvquant import (LLOYD_MAX_GAUSSIAN, _pack, _unpack, codebook, lloyd_max_gaussian,
+from mlxfast.ops.kvquant import (LLOYD_MAX_GAUSSIAN, _pack, _unpack, codebook, lloyd_max_gaussian,
                                  rotation_signs)
 
 SCHEMES = ["8", "4", "turbo", "turbo:k8v4", "turbo:k8v2", "turbo:k4v4"]

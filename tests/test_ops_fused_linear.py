@@ -21,7 +21,7 @@ Oracles:
     REF_TOL: fp32 5e-6, fp16 1e-2, bf16 6e-2 (measured worst: 4e-7, 5.4e-3,
     3.2e-2; with gelu 4.6e-7, 3.5e-3, 1.9e-2).
 
-The fused activations are every name in ``ops._ACTS`` (``silu_mul_halves``,
+The fused activations are every name in ``ops.ACTS`` (``silu_mul_halves``,
 ``gelu_mul_halves``); each variant below runs with each.
 
 The model tests at the end run the models as they ran before fusion (the
@@ -114,7 +114,7 @@ def make_case(variant, M, N, K, dtype, lead=None, seed=1):
 
 
 def check_approximate(proj, x, kw, got):
-    xp = ops._prologue(x, kw.get("norm"), kw.get("act"), reference=True).astype(mx.float32)
+    xp = ops.matmul._prologue(x, kw.get("norm"), kw.get("act"), reference=True).astype(mx.float32)
     exact = xp @ proj.wf.T
     scale = mx.abs(xp) @ mx.abs(proj.wf).T
     if "residual" in kw:
@@ -274,7 +274,7 @@ def proj(request):
 def backend(request, monkeypatch):
     """The native CPU dispatch, and the reference dispatch other devices take."""
     if request.param == "reference":
-        monkeypatch.setattr(ops, "_on_cpu", lambda stream=None: False)
+        monkeypatch.setattr(ops.dispatch, "on_cpu", lambda stream=None: False)
     return request.param
 
 
@@ -319,17 +319,17 @@ def test_rejects_bad_act(proj, backend):
 
 
 def test_native_and_python_agree_on_act_names():
-    """The Python list of fused activations (``ops._ACTS``) and the native
+    """The Python list of fused activations (``ops.ACTS``) and the native
     rule (``gated_act_from_halves_name``) accept the same names: each Python
     name reaches the native primitive, which accepts it and rejects others
     with the same message."""
     from mlxfast import _ext
 
-    assert set(ops._ACTS) == set(ACT_OPS)
+    assert set(ops.ACTS) == set(ACT_OPS)
     w = mx.random.normal((8, 32))
     wq, s, b = mx.quantize(w, group_size=32, bits=4)
     x = mx.random.normal((2, 64))
-    for act in ops._ACTS:
+    for act in ops.ACTS:
         mx.eval(_ext.dense_matmul(x, w, act=act), _ext.quantized_matmul(x, wq, s, b, group_size=32,
                                                                           bits=4, act=act))
     for bad in ("gelu", "silu_mul"):
@@ -368,7 +368,7 @@ def test_act_prologue_large_inputs_and_odd_sizes(path, act, kind, K, dtype, M):
 def test_reference_dispatch_is_the_reference(proj, monkeypatch):
     """Off the CPU, ops run the reference composition (checked here by forcing
     that dispatch on the CPU)."""
-    monkeypatch.setattr(ops, "_on_cpu", lambda stream=None: False)
+    monkeypatch.setattr(ops.dispatch, "on_cpu", lambda stream=None: False)
     for variant in VARIANTS:
         x, kw = make_case(variant, 3, 16, 64, mx.float32)
         assert mx.array_equal(proj.fused(x, **kw), proj.reference(x, **kw)).item(), variant

@@ -155,7 +155,7 @@ def test_gelu_mul_rejects_bad_input():
 def test_reference_dispatch_off_cpu(monkeypatch):
     """Off the CPU (forced here) the ops are their references."""
     g, u = _inputs((5, 12), mx.bfloat16, seed=5)
-    monkeypatch.setattr(ops, "_on_cpu", lambda stream=None: False)
+    monkeypatch.setattr(ops.dispatch, "on_cpu", lambda stream=None: False)
     assert mx.array_equal(ops.gelu_mul(g, u), ops.gelu_mul_reference(g, u)).item()
     x = mx.concatenate([g, u], axis=-1)
     assert mx.array_equal(ops.gelu_mul_halves(x), ops.gelu_mul_halves_reference(x)).item()

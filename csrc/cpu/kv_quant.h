@@ -1,6 +1,6 @@
 // Private interface of the quantized-KV CPU kernels (csrc/cpu/kv_quant_*.cpp):
 // encode K/V rows into packed rows, dequantize packed rows, and fused paged
-// attention over packed rows. Row layout: python/mlxfast/ops_kvquant.py.
+// attention over packed rows. Row layout: python/mlxfast/ops/kvquant.py.
 //
 // Attention: work items are (query tile, kv head, key chunk). Long contexts
 // with few rows (decode) are split along the keys (flash-decoding) so every

@@ -1,7 +1,7 @@
 // Quantized KV for the block pool: encode K/V rows into packed uint8 rows
 // (affine 8/4-bit groups; TurboQuant rotated Lloyd-Max values), dequantize
 // them, and fused paged attention over packed rows through block tables.
-// Row layout and semantics: python/mlxfast/ops_kvquant.py.
+// Row layout and semantics: python/mlxfast/ops/kvquant.py.
 #pragma once
 
 #include "mlx/array.h"

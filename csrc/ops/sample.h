@@ -5,7 +5,7 @@
 // The noise is MLX's own: row r's uniform numbers are those of
 // mx.random.uniform(shape=(V,), key=keys[r]) (threefry2x32, the same counter
 // layout and float conversion), generated only for the tokens that can still
-// win. The semantics are python/mlxfast/ops.py's sample_tokens_reference.
+// win. The semantics are python/mlxfast/ops/sampling.py's sample_tokens_reference.
 #pragma once
 
 #include "mlx/array.h"

@@ -13,7 +13,7 @@ writes new K/V into slots and runs attention over block tables; the
   ``vb``-bit Lloyd-Max codebook, norm kept (norm-corrected).
 
 Quantized schemes keep one ``uint8`` array per layer, ``[num_slots, Hkv,
-row_bytes]`` (K part | V part, see :mod:`mlxfast.ops_kvquant`), written with
+row_bytes]`` (K part | V part, see :mod:`mlxfast.ops.kvquant`), written with
 one encode + one scatter per layer and read by one fused attention kernel.
 
 Contract (SSD tier): every storage array has leading dimension
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import ops_kvquant as kq
-from ..ops_kvquant import KVQuantFormat
+from ..ops import kvquant as kq
+from ..ops.kvquant import KVQuantFormat
 
 _DTYPE_IDS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 

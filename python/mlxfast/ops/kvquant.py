@@ -42,7 +42,9 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from . import _ext
+from .. import _ext
+from . import dispatch
+from .attention import paged_attention_reference, paged_gather_reference
 
 # Lloyd-Max centroids of N(0, 1) for 1..4 bits (from ``lloyd_max_gaussian``;
 # tests recompute them). MSE per coordinate: 0.3634, 0.1175, 0.03455, 0.009501
@@ -152,17 +154,9 @@ class KVQuantFormat:
         return mx.array(codebook(self.v_bits) if self.v_turbo else np.zeros(1, np.float32))
 
 
-def _on_cpu(stream=None) -> bool:
-    if stream is None:
-        return mx.default_device() == mx.cpu
-    if isinstance(stream, mx.Device):
-        return stream == mx.cpu
-    return stream.device == mx.cpu
-
-
 def has_native_kv_quant(stream=None) -> bool:
     """Whether the quantized-KV ops run native kernels on this stream/device."""
-    return _on_cpu(stream) and hasattr(_ext, "kv_quant_paged_attention")
+    return dispatch.on_cpu(stream) and hasattr(_ext, "kv_quant_paged_attention")
 
 
 # --- pure-MLX references ------------------------------------------------------
@@ -279,8 +273,6 @@ def kv_quant_paged_attention_reference(q, packed, block_tables, seq_idx, positio
                                        signs: mx.array | None = None,
                                        window: int = 0) -> mx.array:
     """Pure-MLX :func:`kv_quant_paged_attention`: gather the blocks, dequantize, attend."""
-    from .ops import paged_attention_reference, paged_gather_reference
-
     if window < 0:
         raise ValueError(f"[mlxfast.kv_quant_paged_attention] window must be >= 0 (0: full "
                          f"causal attention), got {window}.")

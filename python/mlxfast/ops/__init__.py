@@ -1,0 +1,44 @@
+"""Native kernels with their pure-MLX references: the public API.
+
+Every op here works on every MLX backend: on the CPU it runs the native
+kernel from ``mlxfast._ext``; elsewhere (Metal without a kernel, CUDA) it runs
+the pure-MLX reference, which is also the native kernel's test oracle.
+The ``*_reference`` functions are public so that tests and other libraries can
+compare against them.
+
+One module per kernel family: ``dispatch`` (where ops run, the CPU path),
+``activation``, ``norm_rope``, ``matmul``, ``attention``, ``kvquant`` (the
+quantized-KV formats and kernels), ``sampling``.
+"""
+
+from __future__ import annotations
+
+from .. import _ext  # noqa: F401  (tests check which native ops this build has)
+from .activation import (ACTS, gelu_mul, gelu_mul_halves, gelu_mul_halves_reference,
+                         gelu_mul_reference, silu_mul, silu_mul_halves,
+                         silu_mul_halves_reference, silu_mul_reference)
+from .attention import (has_native_paged_attention, kv_write, kv_write_pair,
+                        kv_write_pair_reference, kv_write_reference, paged_attention,
+                        paged_attention_reference, paged_gather, paged_gather_reference)
+from .dispatch import cpu_path, cpu_supports, num_threads, on_cpu, set_cpu_path
+from .kvquant import (KVQuantFormat, has_native_kv_quant, kv_quant_dequant,
+                      kv_quant_dequant_reference, kv_quant_encode, kv_quant_encode_reference,
+                      kv_quant_paged_attention, kv_quant_paged_attention_reference)
+from .matmul import (dense_matmul, dense_matmul_reference, dequantize_rows,
+                     dequantize_rows_reference, quantized_matmul, quantized_matmul_reference)
+from .norm_rope import qkv_rope, qkv_rope_reference, rms_norm, rms_norm_reference, rope, rope_reference
+from .sampling import sample_tokens, sample_tokens_reference
+
+__all__ = [
+    "ACTS", "KVQuantFormat", "cpu_path", "cpu_supports", "dense_matmul", "dense_matmul_reference",
+    "dequantize_rows", "dequantize_rows_reference", "gelu_mul", "gelu_mul_halves",
+    "gelu_mul_halves_reference", "gelu_mul_reference", "has_native_kv_quant",
+    "has_native_paged_attention", "kv_quant_dequant", "kv_quant_dequant_reference",
+    "kv_quant_encode", "kv_quant_encode_reference", "kv_quant_paged_attention",
+    "kv_quant_paged_attention_reference", "kv_write", "kv_write_pair", "kv_write_pair_reference",
+    "kv_write_reference", "num_threads", "on_cpu", "paged_attention", "paged_attention_reference",
+    "paged_gather", "paged_gather_reference", "qkv_rope", "qkv_rope_reference", "quantized_matmul",
+    "quantized_matmul_reference", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
+    "sample_tokens", "sample_tokens_reference", "set_cpu_path", "silu_mul", "silu_mul_halves",
+    "silu_mul_halves_reference", "silu_mul_reference",
+]

@@ -1,0 +1,231 @@
+"""Projections: dense and affine-quantized matmuls with an optional fused
+prologue (RMSNorm or a gated activation) and residual epilogue, and the
+quantized embedding lookup (``dequantize_rows``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import _ext
+from . import dispatch
+from .activation import ACTS
+from .norm_rope import rms_norm, rms_norm_reference
+
+# ``norm=(weight, eps)`` or ``act=`` (a name in ``ACTS``) transform x before
+# the matmul (at most one); ``residual=r`` adds r to the product. On the CPU the
+# native primitive does all of it in one node with the same numbers as the
+# separate native ops; elsewhere (and where the dtypes would not line up,
+# see ``dense_matmul``) the separate ops run.
+
+
+def _check_fusion(op: str, norm, act) -> None:
+    if act is not None and (not isinstance(act, str) or act not in ACTS):
+        names = ", ".join(repr(a) for a in ACTS)
+        raise ValueError(f"[mlxfast.{op}] act must be one of {names} (or None), got {act!r}.")
+    if norm is not None:
+        if act is not None:
+            raise ValueError(f"[mlxfast.{op}] norm and act cannot both be given.")
+        if not (isinstance(norm, tuple) and len(norm) == 2):
+            raise ValueError(f"[mlxfast.{op}] norm must be a (weight, eps) pair.")
+
+
+def _check_residual(op: str, y: mx.array, residual: mx.array) -> None:
+    if residual.shape != y.shape or residual.dtype != y.dtype:
+        raise ValueError(f"[mlxfast.{op}] residual must have the output's shape {tuple(y.shape)} "
+                         f"and dtype {y.dtype}, got {tuple(residual.shape)} {residual.dtype}.")
+
+
+def _prologue(x: mx.array, norm, act, *, reference: bool, stream=None) -> mx.array:
+    """The separate ops a fused prologue stands for (native on the CPU, or the references)."""
+    if norm is not None:
+        w, eps = norm
+        return rms_norm_reference(x, w, eps) if reference else rms_norm(x, w, eps, stream=stream)
+    if act is not None:
+        native, ref = ACTS[act]
+        return ref(x) if reference else native(x, stream=stream)
+    return x
+
+
+def _epilogue(op: str, y: mx.array, residual) -> mx.array:
+    if residual is None:
+        return y
+    _check_residual(op, y, residual)
+    return residual + y
+
+
+def dense_matmul_reference(x: mx.array, w: mx.array, *, norm=None, act=None,
+                           residual=None) -> mx.array:
+    """Pure-MLX ``x @ w.T``; with fused pieces, the composition of their
+    references: ``residual + (prologue(x) @ w.T)``."""
+    _check_fusion("dense_matmul", norm, act)
+    x = _prologue(x, norm, act, reference=True)
+    return _epilogue("dense_matmul", mx.matmul(x, w.T), residual)
+
+
+def dense_matmul(x: mx.array, w: mx.array, *, norm: tuple | None = None, act: str | None = None,
+                 residual: mx.array | None = None, stream=None) -> mx.array:
+    """``x @ w.T`` for dense weights w [N, K] (float32/float16/bfloat16).
+
+    The result dtype follows MLX's promotion of x and w, accumulated in
+    float32. On the CPU this is one native primitive sharing the quantized
+    matmul's GEMV/GEMM kernels (MLX's CPU matmul is a reference BLAS at a
+    few GFLOP/s on Linux); elsewhere it is ``x @ w.T``.
+
+    Fused pieces (one primitive on the CPU, bit-identical to the separate ops):
+
+    * ``norm=(weight, eps)``: the matmul consumes ``rms_norm(x, weight, eps)``
+      (weight [x.shape[-1]]);
+    * ``act="silu_mul_halves"`` or ``act="gelu_mul_halves"``: it consumes
+      ``silu_mul_halves(x)`` / ``gelu_mul_halves(x)`` (x [..., 2K], gate half
+      then up half);
+    * ``residual=r``: the result is ``r + (x @ w.T)``; r has the result's
+      shape and dtype (no broadcasting, no promotion).
+
+    At most one of norm/act. Where w's dtype would promote the prologue's
+    result (e.g. bf16 x with fp32 w), the separate ops run instead. Bad
+    input raises ``ValueError``.
+    """
+    fused = norm is not None or act is not None
+    if dispatch.on_cpu(stream):
+        if not fused:
+            out_dtype = mx.result_type(x, w)
+            if out_dtype != x.dtype:
+                x = x.astype(out_dtype)
+            return _ext.dense_matmul(x, w, residual=residual, stream=stream)
+        _check_fusion("dense_matmul", norm, act)
+        t = x.dtype if norm is None else mx.result_type(x, norm[0])
+        if mx.result_type(t, w) == t:
+            if norm is not None:
+                return _ext.dense_matmul(x, w, norm=norm[0], eps=norm[1], residual=residual,
+                                         stream=stream)
+            return _ext.dense_matmul(x, w, act=act, residual=residual, stream=stream)
+        y = dense_matmul(_prologue(x, norm, act, reference=False, stream=stream), w, stream=stream)
+        return _epilogue("dense_matmul", y, residual)
+    return dense_matmul_reference(x, w, norm=norm, act=act, residual=residual)
+
+
+def quantized_matmul_reference(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    norm: tuple | None = None,
+    act: str | None = None,
+    residual: mx.array | None = None,
+) -> mx.array:
+    """Pure-MLX ``x @ dequantize(w).T`` (MLX affine format): ``mx.quantized_matmul``.
+
+    With fused pieces, the composition of their references:
+    ``residual + round(prologue(x) @ dequantize(w).T)``, the product rounded
+    to the prologue's dtype as :func:`quantized_matmul` does.
+    """
+    _check_fusion("quantized_matmul", norm, act)
+    x = _prologue(x, norm, act, reference=True)
+    out = mx.quantized_matmul(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+    )
+    if norm is None and act is None and residual is None:
+        return out
+    if out.dtype != x.dtype:
+        out = out.astype(x.dtype)
+    return _epilogue("quantized_matmul", out, residual)
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    norm: tuple | None = None,
+    act: str | None = None,
+    residual: mx.array | None = None,
+    stream=None,
+) -> mx.array:
+    """``x @ dequantize(w, scales, biases).T`` for MLX's affine quantization.
+
+    x: [..., K] float32/float16/bfloat16; w: [N, K * bits / 32] uint32 (values
+    packed LSB-first); scales, biases: [N, K / group_size], float32/float16/
+    bfloat16 (same dtype as each other, not necessarily x's — GGUF weights
+    keep float16 scales with float32 activations). bits: 2, 3, 4, 5, 6 or 8
+    (SIMD kernels for 4 and 8); group_size: 32, 64 or 128. Returns [..., N]
+    in x's dtype (``mx.quantized_matmul`` would promote fp16 x with fp32
+    scales to fp32), accumulated in float32.
+
+    Fused pieces, as for :func:`dense_matmul`: ``norm=(weight, eps)`` or
+    ``act="silu_mul_halves"`` / ``"gelu_mul_halves"`` (x [..., 2K]) before
+    the matmul, ``residual=r`` after it; with a norm the result has the norm's dtype (``rms_norm``
+    promotes x with its weight).
+
+    On the CPU this is one native primitive (GEMV path for up to 16 rows,
+    blocked GEMM above); elsewhere, and for ``transpose=False``, it is
+    ``mx.quantized_matmul`` (and the separate ops for the fused pieces).
+    Bad shapes/dtypes raise ``ValueError``.
+    """
+    if biases is None:
+        raise ValueError("[mlxfast.quantized_matmul] biases are required (affine quantization).")
+    _check_fusion("quantized_matmul", norm, act)
+    if transpose and dispatch.on_cpu(stream):
+        if norm is not None:
+            return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
+                                         norm=norm[0], eps=norm[1], act=act, residual=residual,
+                                         stream=stream)
+        return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
+                                     act=act, residual=residual, stream=stream)
+    x = _prologue(x, norm, act, reference=False, stream=stream)
+    out = quantized_matmul_reference(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+    )
+    out = out.astype(x.dtype) if out.dtype != x.dtype else out
+    return _epilogue("quantized_matmul", out, residual)
+
+
+def dequantize_rows_reference(
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    ids: mx.array,
+    *,
+    group_size: int = 64,
+    bits: int = 4,
+    dtype=None,
+) -> mx.array:
+    """Pure-MLX :func:`dequantize_rows`: gather the packed rows, dequantize in float32."""
+    out = mx.dequantize(w[ids], scales[ids].astype(mx.float32), biases[ids].astype(mx.float32),
+                        group_size=group_size, bits=bits)
+    dtype = scales.dtype if dtype is None else dtype
+    return out if dtype == mx.float32 else out.astype(dtype)
+
+
+def dequantize_rows(
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    ids: mx.array,
+    *,
+    group_size: int = 64,
+    bits: int = 4,
+    dtype=None,
+    stream=None,
+) -> mx.array:
+    """Quantized embedding lookup: rows ``ids`` of ``dequantize(w, scales, biases)``.
+
+    w: [V, D * bits / 32] uint32; scales, biases: [V, D / group_size];
+    ids: integer array of any shape. Returns [*ids.shape, D] in ``dtype``
+    (default: scales' dtype), computed in float32 (fp16 scales would round
+    every element) and rounded once. Only the looked-up rows are dequantized:
+    one native primitive on the CPU (MLX's graph for it is ~38 primitives),
+    the reference elsewhere.
+    """
+    if dispatch.on_cpu(stream):
+        return _ext.dequantize_rows(w, scales, biases, ids, group_size=group_size, bits=bits,
+                                    dtype=dtype, stream=stream)
+    return dequantize_rows_reference(w, scales, biases, ids, group_size=group_size, bits=bits,
+                                     dtype=dtype)
