@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..engine.api import Request as EngineRequest
+from ..text.prompt import text_ids
 from . import chat
 from . import generation as gen
 from .chat import ChatRequest
@@ -364,7 +365,7 @@ def _completion_prompts(body: CompletionRequest) -> list:
 def _completion_prompt(state, p) -> tuple[list[int], str]:
     tok = state.tokenizer
     if isinstance(p, str):
-        ids = tok.encode(p, add_special_tokens=True)
+        ids = text_ids(tok, p)  # the library's raw-text rule too (chat=False)
         text = p
     else:
         vocab = state.model_vocab_size

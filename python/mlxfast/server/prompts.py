@@ -1,19 +1,21 @@
-"""Chat messages -> prompt text -> token ids, for both APIs.
+"""Chat messages -> prompt text -> token ids, for every chat API.
 
-Messages arrive here already normalised to Hugging Face template form:
-``{"role", "content": str, "tool_calls": [{"id", "type", "function": {"name",
-"arguments": dict}}], "tool_call_id", "name"}``. A template that cannot
-render tools gets mlxfast's Hermes-style tool prompt and past calls/results
-written out as text, so tool use works with any chat model.
+The rendering itself (template, tools, system-message joins, the BOS rule)
+is ``text/prompt.py``, shared with the library (``generation.prompt_ids``);
+this module adds what is the server's: template variables from request
+fields, and 400s in the API's shape for what the template cannot take.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
-from ..text import reasoning as reasoning_mod
-from ..text import tool_calls as tc
+from ..text.prompt import (  # noqa: F401  (re-exported: the server's names)
+    ChatPrompt,
+    TemplateError,
+    render_chat,
+    strip_billing_header,
+)
 from .errors import bad_request
 
 # reasoning_effort -> template variables
@@ -25,15 +27,6 @@ REASONING_EFFORTS = {
     "high": {"enable_thinking": True},
     "xhigh": {"enable_thinking": True},
 }
-
-
-@dataclass
-class ChatPrompt:
-    text: str
-    ids: list[int]
-    tool_family: str | None  # parser to run on the output (None: no tools)
-    reasoning: bool  # split <think> from the answer
-    in_reasoning: bool  # the prompt already opened a think block
 
 
 # Template variables a request cannot set through chat_template_kwargs: the
@@ -68,76 +61,6 @@ def template_kwargs_for(reasoning_effort: str | None, extra: dict | None,
     return kwargs
 
 
-def _text_only(messages: list[dict], family: str) -> list[dict]:
-    """Past tool calls and results as plain text (for templates without tools)."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            calls = "\n".join(
-                tc.render_tool_call(family, c["function"]["name"], c["function"]["arguments"])
-                for c in m.pop("tool_calls")
-            )
-            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + calls
-        if m["role"] == "tool":
-            m = {"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
-        out.append(m)
-    # Consecutive tool results become one user turn.
-    merged: list[dict] = []
-    for m in out:
-        if (merged and m["role"] == "user" and merged[-1]["role"] == "user"
-                and m["content"].startswith("<tool_response>")
-                and merged[-1]["content"].startswith("<tool_response>")):
-            merged[-1] = {"role": "user", "content": merged[-1]["content"] + "\n" + m["content"]}
-        else:
-            merged.append(m)
-    return merged
-
-
-def _with_system(messages: list[dict], extra: str) -> list[dict]:
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0])
-        first["content"] = (first.get("content") or "") + "\n\n" + extra
-        return [first] + messages[1:]
-    return [{"role": "system", "content": extra}] + messages
-
-
-# Claude Code puts a per-request attribution line first in its system prompt
-# (``x-anthropic-billing-header: cc_version=...; cch=<hex>;``). Kept, it
-# changes the first block of every prompt, so no turn reuses the cached system
-# prompt; it carries nothing for the model.
-BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
-
-
-def strip_billing_header(messages: list[dict]) -> list[dict]:
-    """``messages`` without the billing line leading the first system message."""
-    if not messages or messages[0].get("role") != "system":
-        return messages
-    text = messages[0].get("content") or ""
-    if not isinstance(text, str) or not text.lstrip().startswith(BILLING_HEADER_PREFIX):
-        return messages
-    rest = text.lstrip().partition("\n")[2].lstrip("\n")
-    return ([{**messages[0], "content": rest}] if rest else []) + messages[1:]
-
-
-def _join_systems(messages: list[dict], hoist: bool) -> list[dict]:
-    """Adjacent system messages as one (their texts a blank line apart);
-    with ``hoist``, every system message joins one at the start."""
-    systems = [m for m in messages if m["role"] == "system"]
-    if hoist:
-        if len(systems) < 2 and (not systems or messages[0] is systems[0]):
-            return messages
-        first = {**systems[0], "content": "\n\n".join(m.get("content") or "" for m in systems)}
-        return [first] + [m for m in messages if m["role"] != "system"]
-    out: list[dict] = []
-    for m in messages:
-        if m["role"] == "system" and out and out[-1]["role"] == "system":
-            out[-1] = {**out[-1], "content": (out[-1].get("content") or "") + "\n\n" + (m.get("content") or "")}
-        else:
-            out.append(m)
-    return out
-
-
 # A model without a chat template gets no guessed format: its chat turns
 # would be wrong, silently.
 NO_TEMPLATE_MESSAGE = (
@@ -165,57 +88,16 @@ def build_chat_prompt(
     continue_final_message: bool = False,
     keep_billing_header: bool = False,
 ) -> ChatPrompt:
-    """``tools`` are OpenAI-shaped (``{"type": "function", "function": {...}}``)."""
-    if not keep_billing_header:
-        messages = strip_billing_header(messages)
-    template = require_template(tokenizer)
-    family = tc.detect_family(template) if tools and use_tools else None
-    native_tools = "tools" in template
-    msgs = messages
-    if tools and not native_tools:
-        msgs = _text_only(msgs, family or "hermes")
-        if use_tools:
-            msgs = _with_system(msgs, tc.fallback_system_prompt([t["function"] for t in tools]))
-    elif not native_tools:
-        msgs = _text_only(msgs, "hermes")
-    if continue_final_message:
-        add_generation_prompt = False
-    msgs = _join_systems(msgs, hoist=False)
-
-    def render(m):
-        return tokenizer.apply_chat_template(
-            m, add_generation_prompt=add_generation_prompt,
-            tools=tools if (tools and use_tools and native_tools) else None,
-            **template_kwargs,
-        )
-
+    """``render_chat``, its refusals as 400s (no template: one naming
+    ``--chat-template``; the template's own error: ``messages``)."""
+    require_template(tokenizer)
     try:
-        text = render(msgs)
-    except ValueError as e:
-        # Many templates take a system message first only (Mistral's,
-        # Gemma's raise otherwise): then every system message joins the first.
-        hoisted = _join_systems(msgs, hoist=True)
-        if hoisted == msgs:
-            raise bad_request(str(e), param="messages") from None
-        try:
-            text = render(hoisted)
-        except ValueError:
-            raise bad_request(str(e), param="messages") from None
-    if continue_final_message and msgs and msgs[-1]["role"] == "assistant":
-        last = msgs[-1].get("content") or ""
-        i = text.rfind(last) if last else -1
-        if i >= 0:
-            text = text[: i + len(last)]
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if getattr(tokenizer, "add_bos", False) and tokenizer.bos_token_id is not None:
-        if not ids or ids[0] != tokenizer.bos_token_id:
-            ids = [tokenizer.bos_token_id] + ids
-    thinking = reasoning_mod.template_supports_thinking(template)
-    return ChatPrompt(
-        text=text, ids=ids, tool_family=family,
-        reasoning=thinking,
-        in_reasoning=thinking and reasoning_mod.prompt_opens_reasoning(text),
-    )
+        return render_chat(
+            tokenizer, messages, tools=tools, use_tools=use_tools, template_kwargs=template_kwargs,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            keep_billing_header=keep_billing_header)
+    except TemplateError as e:
+        raise bad_request(str(e), param="messages") from None
 
 
 def tool_message_content(content) -> str:
