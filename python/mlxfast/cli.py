@@ -14,7 +14,12 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="with the same sampling values, the server's tokens for the same prompt")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file (or the template text itself) used instead of the model's own")
@@ -35,7 +40,9 @@ def _generate(argv: list[str]) -> int:
         tokenizer.chat_template = template
     for chunk in stream_generate(
         model, tokenizer, args.prompt, max_tokens=args.max_tokens, temp=args.temp,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
+        chat=not args.no_chat,
     ):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()

@@ -1,18 +1,23 @@
 """One-shot generation for the library API and ``mlxfast generate``.
 
 A single sequence on a contiguous KV cache: the simplest correct path, and
-the reference the batching engine is tested against.
+the reference the batching engine is tested against. It shares the engine's
+prompt rendering (``text/prompt.py``) and token choice (``engine.sampler.choose``:
+processing, then Gumbel-max noise keyed by (seed, output index)), so a
+request gives the same tokens here as through the server.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Iterator
 
 import mlx.core as mx
 
+from .engine.api import SamplingParams
+from .engine.sampler import SamplingState, choose
 from .kv import DenseKVCache
+from .text.prompt import render_chat, text_ids
 
 
 @dataclass
@@ -22,23 +27,6 @@ class GenerationChunk:
     finish_reason: str | None = None  # "stop" | "length" when done
 
 
-def sample_token(logits: mx.array, temp: float, top_p: float, top_k: int, key) -> mx.array:
-    """Pick one token id from logits [V] (greedy when temp == 0)."""
-    if temp <= 0:
-        return mx.argmax(logits, axis=-1)
-    logits = logits.astype(mx.float32) / temp
-    if 0 < top_k < logits.shape[-1]:
-        kth = mx.sort(logits)[-top_k]
-        logits = mx.where(logits < kth, -mx.inf, logits)
-    if 0 < top_p < 1:
-        order = mx.argsort(-logits)
-        probs = mx.softmax(logits[order])
-        keep_sorted = (mx.cumsum(probs) - probs) < top_p
-        keep = mx.zeros_like(keep_sorted).at[order].add(keep_sorted)
-        logits = mx.where(keep, logits, -mx.inf)
-    return mx.random.categorical(logits, key=key)
-
-
 NO_TEMPLATE_MESSAGE = (
     "this model has no chat template: give it one (tokenizer.chat_template = text, or "
     "`mlxfast generate --chat-template FILE`), or pass chat=False (`--no-chat`) for a raw prompt")
@@ -46,18 +34,18 @@ NO_TEMPLATE_MESSAGE = (
 
 def prompt_ids(tokenizer, prompt, chat: bool) -> list[int]:
     """Token ids for ``prompt``: ids as given, else chat messages (or one
-    user message) rendered with ``tokenizer.chat_template`` when ``chat``,
-    else the raw text. A chat prompt for a model without a template raises
-    ``ValueError`` (no format is guessed)."""
+    user message) rendered as the server's chat APIs render them when
+    ``chat``, else the raw text as ``/v1/completions`` encodes it. A chat
+    prompt for a model without a template raises ``ValueError`` (no format is
+    guessed)."""
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
         return list(prompt)
     if chat:
         if not tokenizer.chat_template:
             raise ValueError(NO_TEMPLATE_MESSAGE)
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(prompt)
+        return render_chat(tokenizer, messages).ids
+    return text_ids(tokenizer, prompt)
 
 
 def stream_generate(
@@ -69,6 +57,10 @@ def stream_generate(
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     seed: int | None = None,
     chat: bool = True,
     prefill_step: int = 512,
@@ -76,15 +68,24 @@ def stream_generate(
     """Yield text as it is produced; the last chunk carries ``finish_reason``.
 
     ``prompt`` is a string, a list of chat messages, or a list of token ids.
+    The sampling arguments mean what the server's fields do (``temp`` is
+    ``temperature``; ``top_k`` 0 or negative and ``top_p`` 1 are off), and a
+    seeded request draws the server's tokens.
     """
     ids = prompt_ids(tokenizer, prompt, chat)
     if not ids:
         raise ValueError("the prompt is empty")
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=float(temp), top_p=float(top_p),
+        top_k=max(int(top_k), 0), min_p=float(min_p), repetition_penalty=float(repetition_penalty),
+        presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty), seed=seed)
+    # The sequence so far (prompt + output): the penalties read it and the
+    # draw's noise is keyed by the output index.
+    state = SamplingState.create(params, list(ids), len(ids))
     if max_tokens <= 0:
         yield GenerationChunk("", None, "length")
         return
     cache = DenseKVCache.for_model(model)
-    key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
     eos = tokenizer.eos_token_ids
     detok = tokenizer.detokenizer()
 
@@ -100,10 +101,7 @@ def stream_generate(
     cache.advance(len(chunk))
 
     for n in range(max_tokens):
-        sub = None
-        if temp > 0:  # greedy needs no key (a split is graph nodes every step)
-            key, sub = mx.random.split(key)
-        token = sample_token(logits[0], temp, top_p, top_k, sub)
+        token = choose(logits, [state])  # [1], lazy: the next step is built on it
         mx.async_eval(token)
         if n < max_tokens - 1:
             # Build step n+1's graph while step n runs, but queue it only
@@ -112,6 +110,7 @@ def stream_generate(
             logits = model(token.reshape(1, 1), cache, logit_rows=mx.array([0]))
             cache.advance(1)
         tok = token.item()
+        state.tokens.append(tok)
         if tok in eos:
             yield GenerationChunk(detok.flush(), tok, "stop")
             return

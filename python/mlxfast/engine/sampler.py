@@ -21,7 +21,9 @@ Logprobs are reported from the model's own distribution: the log-softmax of
 the raw logits, before penalties, bias, masks, temperature and truncation
 (vLLM's default "raw logprobs"; OpenAI documents logprobs as the model's).
 
-One ``mx.eval`` and one host transfer per step.
+One ``mx.eval`` and one host transfer per step. Steps 1-4 are ``choose``
+(lazy), which one-sequence generation (``generation.py``: ``mlxfast.generate``,
+``mlxfast generate``) calls too, so the library draws the engine's tokens.
 """
 
 from __future__ import annotations
@@ -118,35 +120,48 @@ def _grammar_mask(states: list[SamplingState], V: int, errors: list[str | None])
     return allowed
 
 
-def sample(logits: mx.array, states: list[SamplingState], ahead: list[int] | None = None) -> list[Sampled]:
-    """Pick one token per row of ``logits [R, V]``; ``states[r]`` is row r's
-    request. ``ahead[r]`` > 0 samples the position that many tokens past the
-    request's next one (verifying draft tokens): its noise is that position's,
-    so it draws what decoding would draw there (the processing must not depend
-    on the tokens in between: ``spec.speculation_allowed``; a grammar row samples
-    only the position after its forced tokens, its grammar advanced past them)."""
+def choose(logits: mx.array, states: list[SamplingState], ahead: list[int] | None = None,
+           errors: list[str | None] | None = None) -> mx.array:
+    """The token each row of ``logits [R, V]`` samples (steps 1-4 above), as
+    an unevaluated ``[R]`` array. The one choice of tokens: ``sample`` (the
+    engine's step) and one-sequence generation (``generation.py``, which
+    builds its next model step on this lazy token) both call it, so a request
+    draws the same tokens through the library and the server. ``ahead`` as in
+    ``sample``; a grammar row's error goes to ``errors[r]``."""
     R, V = logits.shape
     ahead = ahead or [0] * R
+    errors = errors if errors is not None else [None] * R
     ps = [s.params for s in states]
-    errors: list[str | None] = [None] * R
-    want_lp = any(p.logprobs or p.top_logprobs for p in ps)
+    x = logits.astype(mx.float32)
     plain = all(p.temperature <= 0 and p.repetition_penalty == 1 and not p.presence_penalty
                 and not p.frequency_penalty and not p.logit_bias and s.matcher is None
                 for p, s in zip(ps, states))
+    if plain:
+        return mx.argmax(x, axis=-1)
+    x = _process(x, states, ps, V, errors)
+    temps = np.array([p.temperature for p in ps], np.float32)
+    if (temps <= 0).all():
+        return mx.argmax(x, axis=-1)
+    keys = mx.array(np.array([row_key(s.seed, s.step + a) for s, a in zip(states, ahead)], np.uint32))
+    return ops.sample_tokens(x, keys, temps, [p.top_k for p in ps], [p.top_p for p in ps],
+                             [p.min_p for p in ps])
+
+
+def sample(logits: mx.array, states: list[SamplingState], ahead: list[int] | None = None) -> list[Sampled]:
+    """Pick one token per row of ``logits [R, V]`` (``choose``) and report it;
+    ``states[r]`` is row r's request. ``ahead[r]`` > 0 samples the position
+    that many tokens past the request's next one (verifying draft tokens): its
+    noise is that position's, so it draws what decoding would draw there (the
+    processing must not depend on the tokens in between:
+    ``spec.speculation_allowed``; a grammar row samples only the position after
+    its forced tokens, its grammar advanced past them)."""
+    R, V = logits.shape
+    ps = [s.params for s in states]
+    errors: list[str | None] = [None] * R
+    want_lp = any(p.logprobs or p.top_logprobs for p in ps)
     x = logits.astype(mx.float32)
     raw_lp = x - mx.logsumexp(x, axis=-1, keepdims=True) if want_lp else None
-
-    if plain:
-        tok = mx.argmax(x, axis=-1)
-    else:
-        x = _process(x, states, ps, V, errors)
-        temps = np.array([p.temperature for p in ps], np.float32)
-        if (temps <= 0).all():
-            tok = mx.argmax(x, axis=-1)
-        else:
-            keys = mx.array(np.array([row_key(s.seed, s.step + a) for s, a in zip(states, ahead)], np.uint32))
-            tok = ops.sample_tokens(x, keys, temps, [p.top_k for p in ps], [p.top_p for p in ps],
-                                    [p.min_p for p in ps])
+    tok = choose(x, states, ahead, errors)
 
     outs = [tok]
     k_top = min(MAX_TOP_LOGPROBS, max((p.top_logprobs for p in ps), default=0))
