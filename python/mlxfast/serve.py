@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "list as vLLM takes it, e.g. 'http://localhost:3000' or '[\"*\"]'; default none")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require --api-key on /metrics too (open by default, as vLLM's)")
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat page at / (the API is unchanged)")
     p.add_argument("--draft-kind", choices=["ngram", "model"], default=None,
                    help="speculative decoding (lossless: the output is what decoding without it gives): "
                         "ngram = prompt lookup (drafts from the request's own prompt and output), "
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         allowed_origins=args.allowed_origins, strict_model_name=args.strict_model_name,
         model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         keep_billing_header=args.keep_billing_header, responses_store_size=args.responses_store_size,
+        webui=args.webui,
     )
     if args.max_tokens < 1:
         return _fail("--max-tokens must be at least 1")
@@ -311,8 +314,12 @@ def main(argv: list[str] | None = None) -> int:
             while not server.started and not server.should_exit:
                 time.sleep(0.01)
             state.set_ready(model, tokenizer, engine)
+            # A wildcard address is no place to point a browser at: the page is on loopback there.
+            local = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host)
+            page_url = f"http://{local}:{args.port}/" if local else f"{url}/"
+            page = f"; chat page: {page_url}" if settings.webui else ""
             _say(f"model loaded in {time.perf_counter() - t0:.1f}s; ready on {url} "
-                 f"(model '{settings.model_name}', context {state.max_model_len} tokens)")
+                 f"(model '{settings.model_name}', context {state.max_model_len} tokens){page}")
         except BaseException as e:  # report, then stop the server
             state.status = "failed"
             state.load_error = f"{type(e).__name__}: {e}"

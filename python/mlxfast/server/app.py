@@ -8,7 +8,7 @@ import json
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from . import admin, anthropic, openai, responses
+from . import admin, anthropic, openai, responses, webui
 from .errors import APIError, install_handlers, is_anthropic_path
 from .state import ServerState
 
@@ -95,6 +95,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(anthropic.router)
     app.include_router(responses.router)
     app.include_router(admin.router)
+    if state.settings.webui:
+        app.include_router(webui.router)  # the chat page at /
     app.add_middleware(_Guard, state=state)
     origins = state.settings.allowed_origins
     if origins:

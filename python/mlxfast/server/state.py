@@ -28,6 +28,7 @@ class ServerSettings:
     keep_billing_header: bool = False  # False: Claude Code's billing line is cut from system prompts
     metrics_require_key: bool = False  # /metrics is open without the key unless set (as vLLM)
     responses_store_size: int = 1024  # Responses API: recent responses kept for previous_response_id
+    webui: bool = True  # the chat page at / (--no-webui: off)
     retry_after_s: int = 1
     heartbeat_s: float = 10.0  # Anthropic ping / disconnect poll interval
     disconnect_poll_s: float = 1.0
