@@ -137,7 +137,7 @@ def main() -> None:
 
         # Decode with and without a write-behind backlog. The backlog: cached
         # blocks of other prompts, marked not-on-disk so write-behind rewrites them.
-        ssd = eng.ssd
+        ssd = eng.connector
         ssd.debounce_s = 1e9  # hold the backlog until the measurement starts
         backlog = []
         for i in range(max(1, args.backlog_tokens // 1000)):

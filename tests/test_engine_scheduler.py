@@ -301,3 +301,96 @@ def test_kv_groups_of_a_layer_spec():
     assert KVGroups([slid] * 3 + [full], release=False).windows == (0,)
     with pytest.raises(ValueError, match="different KV shapes"):
         KVGroups([LayerKV(1, 64, 8), LayerKV(2, 64)])
+
+
+class FakeConnector:
+    """Blocks 'on disk' by key; a load registers them in the allocator when
+    the test says it is done (what the SSD tier does after its read)."""
+
+    enabled = True
+
+    def __init__(self, alloc, stored):
+        self.alloc, self.stored = alloc, set(stored)
+        self.inflight, self.holds, self.done, self.asked = {}, {}, [], []
+
+    def num_loadable(self, keys, start, limit):
+        self.asked.append((len(keys), start, limit))
+        k = start
+        while k < len(keys) and k - start < limit and keys[k] in self.stored:
+            k += 1
+        return k - start
+
+    def start_load(self, load_id, keys, start, n):
+        self.inflight[load_id] = (self.alloc.match_prefix(list(keys[:start])), list(keys[start:start + n]))
+
+    def complete(self, load_id):
+        held, keys = self.inflight.pop(load_id)
+        blocks = self.alloc.allocate(len(keys))
+        for b, h in zip(blocks, keys):
+            self.alloc.register(b, h)
+        self.holds[load_id] = held + blocks
+        self.done.append(load_id)
+
+    def finished_loads(self):
+        done, self.done = self.done, []
+        return done
+
+    def release(self, load_id):
+        held = self.holds.pop(load_id, None) or self.inflight.pop(load_id, (None,))[0]
+        if held:
+            self.alloc.free(held)
+
+
+def test_the_scheduler_asks_the_connector_and_admits_after_the_load():
+    from mlxfast.engine.scheduler import LOADING
+    from mlxfast.kv.allocator import chain_hashes
+
+    alloc = BlockAllocator(64, 4)
+    a = seq("a", 21)  # 5 full blocks before the last token
+    keys = chain_hashes(a.tokens, 4, a.namespace)
+    conn = FakeConnector(alloc, keys[2:4])  # blocks 2 and 3 on 'disk'
+    s = Scheduler(alloc, max_model_len=256, connector=conn)
+    # RAM already holds blocks 0 and 1 (another request's prefix, finished).
+    for b, h in zip(alloc.allocate(2), keys[:2]):
+        alloc.register(b, h)
+        alloc.free([b])
+    s.add(a)
+    assert a.status == LOADING and s.num_waiting == 1 and not s.has_work()
+    assert conn.asked == [(5, 2, 3)]  # 5 keys, 2 cached in RAM, up to 3 more
+    assert s.find("a") is a
+    conn.complete(a.load_id)
+    assert s.has_work() and a.status == WAITING
+    plan, _ = step(s)
+    assert [(r.start, r.n) for r in plan.rows] == [(16, 5)]  # 4 blocks hit: 2 from RAM, 2 loaded
+    assert a.cached_tokens == 16 and a.status == RUNNING and not conn.holds  # released at admission
+    s.finish(a, "abort")
+    alloc.check()
+    assert all(rc == 0 for rc in alloc.refcount)
+
+
+def test_a_loading_sequence_can_be_aborted_and_a_scored_prompt_never_loads():
+    alloc = BlockAllocator(64, 4)
+    a = seq("a", 21)
+    keys = chain_hashes_of(a)
+    conn = FakeConnector(alloc, keys)
+    s = Scheduler(alloc, max_model_len=256, connector=conn)
+    s.add(a)
+    assert s.find("a") is a and a.load_id is not None
+    s.finish(a, "abort")
+    assert a.status == FINISHED and s.num_waiting == 0 and not conn.inflight
+    b = Seq("b", list(a.prompt_ids), max_tokens=4, score_prompt=True)
+    s.add(b)
+    assert b.status == WAITING and b.load_id is None and len(conn.asked) == 1
+    alloc.check()
+
+
+def chain_hashes_of(s):
+    from mlxfast.kv.allocator import chain_hashes
+
+    return chain_hashes(s.tokens, 4, s.namespace)
+
+
+def test_a_connector_needs_one_kv_group():
+    alloc = BlockAllocator(64, 4)
+    with pytest.raises(ValueError, match="one KV group"):
+        Scheduler(alloc, windows=(0, 8), connector=FakeConnector(alloc, ()))

@@ -131,3 +131,16 @@ def test_the_graph_resolves_relative_imports():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def test_lower_layers_import_no_upper_ones():
+    """kv and ops know nothing of the engine or the server; the engine knows nothing of the server."""
+    graph = import_graph()
+    upper = {"kv": ("mlxfast.engine", "mlxfast.server"), "ops": ("mlxfast.engine", "mlxfast.server", "mlxfast.kv"),
+             "engine": ("mlxfast.server",)}
+    bad = []
+    for layer, banned in upper.items():
+        for module, deps in graph.items():
+            if module.startswith(f"mlxfast.{layer}"):
+                bad += [(module, d) for d in deps if d.startswith(banned)]
+    assert bad == []

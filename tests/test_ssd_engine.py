@@ -50,7 +50,7 @@ def test_evicted_blocks_spill_and_come_back(model, tmp_path):
     a, b = prompt(2, 150), prompt(3, 150)
     e = engine(model, ssd_cache_dir=str(tmp_path), num_blocks=24)  # 192 slots: b evicts a
     try:
-        e.ssd.debounce_s = 60.0  # no write-behind: only the eviction path writes
+        e.connector.debounce_s = 60.0  # no write-behind: only the eviction path writes
         ask(e, a)
         ask(e, b)
         s = e.stats()["ssd"]
@@ -69,7 +69,7 @@ def test_write_behind_and_demotion(model, tmp_path):
     p = prompt(4, 100)
     e = engine(model, ssd_cache_dir=str(tmp_path), ssd_demote_idle_s=0.3)
     try:
-        e.ssd.debounce_s = 0.05
+        e.connector.debounce_s = 0.05
         ask(e, p)
         deadline = time.time() + 10
         while time.time() < deadline and e.stats()["ssd"]["demoted_blocks"] < 100 // BS:
@@ -89,7 +89,7 @@ def test_byte_cap_enforced(model, tmp_path):
     cap_gb = 10 * per_file / (1 << 30)
     e = engine(model, ssd_cache_dir=str(tmp_path), ssd_cache_max_gb=cap_gb, kv_dtype="float32")
     try:
-        assert e.ssd.block_bytes == per_file
+        assert e.connector.block_bytes == per_file
         for seed in range(3):
             ask(e, prompt(10 + seed, 60))
             e.flush_cache(30)
@@ -151,7 +151,7 @@ def test_second_server_on_same_directory_runs_ram_only(model, tmp_path, caplog):
         with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
             e2 = engine(model, ssd_cache_dir=str(tmp_path))
         try:
-            assert e1.ssd is not None and e2.ssd is None
+            assert e1.connector.enabled and not e2.connector.enabled
             assert "in use by another server" in caplog.text
             p = prompt(7, 40)
             assert ask(e2, p)[0] == cold(model, p)
@@ -161,7 +161,7 @@ def test_second_server_on_same_directory_runs_ram_only(model, tmp_path, caplog):
         e1.shutdown()
     e3 = engine(model, ssd_cache_dir=str(tmp_path))  # the lock went with e1
     try:
-        assert e3.ssd is not None
+        assert e3.connector.enabled
     finally:
         e3.shutdown()
 
@@ -169,7 +169,7 @@ def test_second_server_on_same_directory_runs_ram_only(model, tmp_path, caplog):
 def test_unwritable_disk_keeps_serving(model, tmp_path, caplog):
     e = engine(model, ssd_cache_dir=str(tmp_path))
     try:
-        shutil.rmtree(e.ssd.dir)  # every write now fails (ENOENT)
+        shutil.rmtree(e.connector.dir)  # every write now fails (ENOENT)
         p = prompt(8, 80)
         with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
             ask(e, p)
@@ -203,7 +203,7 @@ def test_abort_while_restoring(model, tmp_path):
         toks, _ = ask(e, p + [2])
         time.sleep(0.1)
         e.allocator.check()
-        assert all(rc == 0 for rc in e.allocator.refcount) and not e.ssd.holds
+        assert all(rc == 0 for rc in e.allocator.refcount) and not e.connector.holds
     finally:
         e.shutdown()
     assert toks == cold(model, p + [2])
@@ -238,7 +238,7 @@ def test_shutdown_flushes_without_an_explicit_flush(model, tmp_path):
     p = prompt(11, 90)
     e = engine(model, ssd_cache_dir=str(tmp_path))
     try:
-        e.ssd.debounce_s = 60.0  # nothing written behind before the shutdown
+        e.connector.debounce_s = 60.0  # nothing written behind before the shutdown
         ask(e, p)
     finally:
         e.shutdown()

@@ -315,7 +315,7 @@ def layout_of(model, tmp_path) -> tuple[str, str]:
     d = tmp_path / "probe-run"
     e = engine(model, ssd_cache_dir=str(d))
     try:
-        name = e.ssd.dir.name
+        name = e.connector.dir.name
     finally:
         e.shutdown()
     shutil.rmtree(d)
@@ -333,8 +333,8 @@ def test_planted_symlinks_at_namespace_file_and_probe(model, tmp_path):
     p = prompt(1, 60)
     e = engine(model, ssd_cache_dir=str(d))
     try:
-        assert e.ssd is not None
-        namespace = e.ssd.namespace
+        assert e.connector.enabled
+        namespace = e.connector.namespace
         toks, _ = ask(e, p)
         assert e.flush_cache(30)["durable"]
     finally:
@@ -360,7 +360,7 @@ def test_planted_symlink_at_lock_runs_ram_only(model, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
         e = engine(model, ssd_cache_dir=str(d))
     try:
-        assert e.ssd is None and "lock is a symbolic link" in caplog.text
+        assert not e.connector.enabled and "lock is a symbolic link" in caplog.text
         toks, _ = ask(e, p)
     finally:
         e.shutdown()
@@ -377,7 +377,7 @@ def test_symlinked_namespace_dir_runs_ram_only(model, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
         e = engine(model, ssd_cache_dir=str(d))
     try:
-        assert e.ssd is None and "not a directory" in caplog.text
+        assert not e.connector.enabled and "not a directory" in caplog.text
         toks, _ = ask(e, p)
     finally:
         e.shutdown()
@@ -393,7 +393,7 @@ def test_shared_directory_is_warned_about_and_ours_made_private(model, tmp_path,
     with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
         e = engine(model, ssd_cache_dir=str(d))
     e.shutdown()
-    assert e.ssd is not None  # a warning, not a refusal
+    assert e.connector.enabled  # a warning, not a refusal
     assert "group- or world-writable" in caplog.text
     assert stat.S_IMODE((d / ns_dir).stat().st_mode) == 0o700
     caplog.clear()
@@ -417,7 +417,7 @@ def test_namespace_dir_of_another_user_is_refused(model, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mlxfast.ssd"):
         e = engine(model, ssd_cache_dir=str(d))
     e.shutdown()
-    assert e.ssd is None and "owned by uid 65534" in caplog.text
+    assert not e.connector.enabled and "owned by uid 65534" in caplog.text
 
 
 class StuckReader:
@@ -455,15 +455,15 @@ def test_a_restore_that_never_completes_is_abandoned(model, tmp_path):
         e.shutdown()
     e = engine(model, ssd_cache_dir=str(tmp_path))
     try:
-        reader = e.ssd.reader = StuckReader(e.ssd.reader)
-        e.ssd.restore_timeout_s = 0.5
+        reader = e.connector.reader = StuckReader(e.connector.reader)
+        e.connector.restore_timeout_s = 0.5
         toks1, fin1 = ask(e, p + [1], timeout=60)  # waits 0.5 s for its read, then computes
         s1 = dict(e.stats()["ssd"])
         toks2, fin2 = ask(e, q + [2], timeout=60)  # no new read while one is stuck
         submits_while_stuck = reader.submits
         reader.stuck = False  # the read returns: its result is dropped, restores resume
         for _ in range(200):
-            if not e.ssd.abandoned:
+            if not e.connector.abandoned:
                 break
             threading.Event().wait(0.05)
         toks3, fin3 = ask(e, r + [3], timeout=60)
@@ -475,7 +475,7 @@ def test_a_restore_that_never_completes_is_abandoned(model, tmp_path):
     assert submits_while_stuck == 1 and fin2.cached_tokens == 0
     assert s3["restores"] == 1 and fin3.cached_tokens == 100 // BS * BS
     assert toks1 == cold(model, p + [1]) and toks2 == cold(model, q + [2]) and toks3 == cold(model, r + [3])
-    assert not e.ssd.abandoned and not e.ssd.restoring
+    assert not e.connector.abandoned and not e.connector.restoring
 
 
 # ---------------------------------------------------- real server processes

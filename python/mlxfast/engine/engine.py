@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from ..kv.allocator import BlockAllocator
 from ..kv.block_pool import KVPool, default_kv_dtype, kv_dtype
+from ..kv.connector import KVConnector, NullConnector
 from ..kv.layer_spec import KVGroups
 from ..kv.schemes import parse_kv_quant
 from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent
@@ -202,7 +203,9 @@ class Engine:
         self._eos = frozenset(int(t) for t in eos)
         self.pool: KVPool | None = None
         self.runner: Runner | None = None
-        self.ssd = None  # kv/ssd.py SSDTier, opened on the engine thread
+        # KV outside the pool (kv/connector.py): the SSD tier, opened on the
+        # engine thread, or nothing.
+        self.connector: KVConnector = NullConnector()
 
         self._cond = threading.Condition()
         self._incoming: deque = deque()
@@ -247,9 +250,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self.alive = False
-        if self.ssd is not None:  # wait for pending block writes, release the directory
-            flush = self.config.ssd_flush_timeout_s
-            self.ssd.close(flush if ssd_flush_timeout is None else min(flush, ssd_flush_timeout))
+        flush = self.config.ssd_flush_timeout_s  # pending block writes; the directory is released
+        self.connector.close(flush if ssd_flush_timeout is None else min(flush, ssd_flush_timeout))
 
     # -- public API (any thread) ---------------------------------------------
     def submit(self, request: Request) -> RequestStream:
@@ -282,26 +284,21 @@ class Engine:
     def flush_cache(self, timeout: float = 30.0) -> dict:
         """Write every cached block to the SSD tier and wait until it is durable
         (any thread; blocks). ``durable`` is False on timeout or failed writes."""
-        ssd = self.ssd
-        if ssd is None:
-            return {"durable": True, "enabled": False}
-
         def wake():
             with self._cond:
                 self._cond.notify()
 
-        return ssd.flush(wake, timeout)
+        return self.connector.flush(wake, timeout)
 
     def stats(self) -> dict:
         s = self.scheduler
         a = self.allocator
         return {
-            "ssd": self.ssd.stats() if self.ssd is not None else {"enabled": False},
+            "ssd": self.connector.stats(),
             "alive": self.alive,
             "error": self.error,
             "num_requests_running": len(s.running),
-            "num_requests_waiting": len(s.waiting) + len(self._incoming)
-            + (len(self.ssd.restoring) if self.ssd is not None else 0),
+            "num_requests_waiting": s.num_waiting + len(self._incoming),
             "num_requests_total": self.num_requests_total,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
@@ -352,22 +349,23 @@ class Engine:
             if self.config.ssd_cache_dir:
                 from ..kv.ssd import open_tier
 
-                self.ssd = open_tier(self.config, self._namespace, self.pool, self.allocator,
-                                     self.model, self.tokenizer)
+                tier = open_tier(self.config, self._namespace, self.pool, self.allocator,
+                                 self.model, self.tokenizer)
+                if tier is not None:
+                    self.connector = self.scheduler.connector = tier
         except BaseException as e:  # noqa: BLE001
             self._die(e)
             self._ready.set()
             return
         self._ready.set()
+        connector = self.connector
         try:
             while True:
                 with self._cond:
                     while not (self._incoming or self._aborts or self._stopping
-                               or self.scheduler.has_work() or (self.ssd is not None and self.ssd.has_work())):
-                        if self.ssd is None:
-                            self._cond.wait()
-                        elif not self._cond.wait(self.ssd.wait_timeout()):
-                            break  # timed out: the SSD tier has something due
+                               or self.scheduler.has_work() or connector.has_work()):
+                        if not self._cond.wait(connector.wait_timeout()):
+                            break  # timed out: the connector has something due
                     incoming = list(self._incoming)
                     self._incoming.clear()
                     aborts = list(self._aborts)
@@ -380,13 +378,11 @@ class Engine:
                 if stopping:
                     for rid in list(self._states):
                         self._abort(rid)
-                    if self.ssd is not None:
-                        self.ssd.request_flush()  # write what is cached; shutdown() waits
-                        self.ssd.service(self.scheduler.add, busy=False)
+                    connector.request_flush()  # write what is cached; shutdown() waits
+                    connector.service(busy=False)
                     self._flush()
                     return
-                if self.ssd is not None:
-                    self.ssd.service(self.scheduler.add, busy=self.scheduler.has_work())
+                connector.service(busy=self.scheduler.has_work())
                 if self.scheduler.has_work():
                     self._step()
                 self._flush()
@@ -433,8 +429,6 @@ class Engine:
             seq = self.scheduler.find(rid)
             if seq is not None:
                 self.scheduler.finish(seq, "error")
-            if self.ssd is not None:
-                self.ssd.cancel(rid)
             st.events.append(FinishEvent("error", error=f"{type(e).__name__}: {e}",
                                          prompt_tokens=len(request.prompt_ids)))
 
@@ -453,9 +447,7 @@ class Engine:
         if seq.max_tokens <= 0 and not seq.score_prompt:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
             return
-        # A restore brings prefix-cache hits, which a scored prompt does not take.
-        if self.ssd is None or seq.score_prompt or not self.ssd.try_restore(seq):
-            self.scheduler.add(seq)  # else: added once its blocks are read
+        self.scheduler.add(seq)
 
     def _abort(self, rid: str) -> None:
         st = self._states.get(rid)
@@ -466,8 +458,6 @@ class Engine:
             self.scheduler.finish(seq, "abort")
             st.events.append(self._finish_event(seq, "abort"))
         else:
-            if self.ssd is not None:
-                self.ssd.cancel(rid)  # it was waiting for a restore
             st.events.append(FinishEvent("abort", prompt_tokens=len(st.request.prompt_ids)))
 
     def _finish_event(self, seq: Seq, reason: str, text: str = "", error: str | None = None,
@@ -489,9 +479,7 @@ class Engine:
         sched = self.scheduler
         t0 = time.perf_counter()  # the step's cost, drafting included
         plan = sched.schedule()
-        if self.ssd is not None:
-            self.ssd.spill_evicted()  # copy evicted cached blocks out before this step overwrites them
-            self.ssd.release_holds()
+        self.connector.save_evicted()  # before this step overwrites blocks the schedule evicted
         if not plan.rows:
             raise RuntimeError("scheduler produced an empty step with work pending")
         logits = self.runner.run(plan)

@@ -31,6 +31,12 @@ A sequence that scores its prompt (``score_prompt``: prompt logprobs) needs
 logits at every prompt position, so it takes no prefix-cache hits; with
 ``max_tokens == 0`` it samples nothing and finishes ("length") once its
 prompt is computed.
+
+KV stored outside the pool (the SSD tier) comes through a connector
+(kv/connector.py) the scheduler asks when a prompt arrives: a prompt whose
+next blocks past its RAM hit can be loaded waits in ``loading`` until the
+load is done, then joins the queue, and its prefix match takes the loaded
+blocks like any RAM hit.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kv.allocator import BlockAllocator, block_hash, chain_hashes
+from ..kv.connector import KVConnector, NullConnector
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+LOADING, WAITING, RUNNING, FINISHED = "loading", "waiting", "running", "finished"
 
 
 @dataclass(eq=False)
@@ -66,6 +73,7 @@ class Seq:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    load_id: int | None = None  # the connector's load that holds this sequence's prefix
 
     def __post_init__(self):
         if not self.tokens:
@@ -122,9 +130,13 @@ class SeqUpdate:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, max_model_len: int = 4096,
-                 drafter: Any = None, windows: tuple[int, ...] = (0,)):
+                 drafter: Any = None, windows: tuple[int, ...] = (0,),
+                 connector: KVConnector | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        self.connector = connector or NullConnector()
+        if self.connector.enabled and len(windows) > 1:
+            raise ValueError("a KV connector stores whole blocks of every layer: one KV group only")
         # The pool's KV groups (kv/layer_spec.py): each group's attention
         # window (0: full), one block table per group per sequence.
         self.windows = tuple(windows)
@@ -137,25 +149,74 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
+        self.loading: dict[int, Seq] = {}  # load id -> sequence waiting for the connector
+        self._next_load = 0
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up at first admission
         self.prefix_hits = 0  # of which found in the cache
 
     # -- requests ------------------------------------------------------------
     def add(self, seq: Seq) -> None:
+        """Queue a new sequence; first, if the connector can load blocks past
+        its RAM-cached prefix, it waits in ``loading`` for them."""
         if len(seq.tokens) >= self.max_model_len:
             raise ValueError("prompt does not fit the context")
+        if self._start_load(seq):
+            return
         seq.status = WAITING
         self.waiting.append(seq)
 
+    def _start_load(self, seq: Seq) -> bool:
+        if not self.connector.enabled or seq.score_prompt or not self.alloc.enable_prefix_cache:
+            return False
+        bs = self.block_size
+        seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
+        keys = seq.hashes[:(len(seq.tokens) - 1) // bs]  # the last token is always computed
+        cached = 0
+        while cached < len(keys) and keys[cached] in self.alloc.cached:
+            cached += 1
+        n = self.connector.num_loadable(keys, cached, len(keys) - cached)
+        if n <= 0:
+            return False
+        seq.load_id = self._next_load
+        self._next_load += 1
+        self.connector.start_load(seq.load_id, keys, cached, n)
+        seq.status = LOADING
+        self.loading[seq.load_id] = seq
+        return True
+
+    def _collect_loads(self) -> None:
+        """Sequences whose loads are done join the queue (their blocks stay
+        held by the connector until admission)."""
+        if self.loading:
+            for load_id in self.connector.finished_loads():
+                seq = self.loading.pop(load_id, None)
+                if seq is not None:
+                    seq.status = WAITING
+                    self.waiting.append(seq)
+
+    def _release_load(self, seq: Seq) -> None:
+        if seq.load_id is not None:
+            self.connector.release(seq.load_id)
+            seq.load_id = None
+
     def has_work(self) -> bool:
+        self._collect_loads()
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued sequences, those waiting for a load included."""
+        return len(self.waiting) + len(self.loading)
 
     def find(self, request_id: str) -> Seq | None:
         for s in self.running:
             if s.request_id == request_id:
                 return s
         for s in self.waiting:
+            if s.request_id == request_id:
+                return s
+        for s in self.loading.values():
             if s.request_id == request_id:
                 return s
         return None
@@ -166,11 +227,14 @@ class Scheduler:
             return
         if seq.status == RUNNING:
             self.running.remove(seq)
+        elif seq.status == LOADING:
+            self.loading.pop(seq.load_id, None)
         else:
             try:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self._release_load(seq)
         self._release(seq)
         seq.status = FINISHED
         seq.finish_reason = reason
@@ -267,6 +331,7 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        self._collect_loads()
         plan = StepPlan()
         budget = self.budget
         alloc = self.alloc
@@ -302,6 +367,7 @@ class Scheduler:
                 seq.block_tables = [[] for _ in self.windows]
                 break
             self.waiting.popleft()
+            self._release_load(seq)  # its match holds the loaded blocks now
             self._grow(seq, start + n)
             seq.num_released = [self._window_start(num_hit, w) for w in self.windows]
             seq.num_computed = start

@@ -23,12 +23,13 @@ How blocks get to disk (all decided on the engine thread, which owns MLX):
   the RAM cache once they are on disk (their pool blocks become plain free
   blocks).
 
-Restore: when a new prompt continues past its RAM-cached blocks and the next
-block hashes are on disk, the request waits (off the scheduler) while the
-reader loads them; other requests keep decoding. On completion the blocks are
-scattered into free pool blocks, registered in the prefix cache and held
-until the request is admitted, where ``match_prefix`` finds them like any
-RAM hit. A file that fails a check is quarantined and the prompt is computed
+Restore (the tier is a ``KVConnector``, kv/connector.py, that the scheduler
+asks): when a new prompt continues past its RAM-cached blocks and the next
+block hashes are on disk, the request waits (off the scheduler's queue) while
+the reader loads them; other requests keep decoding. On completion the blocks
+are scattered into free pool blocks, registered in the prefix cache and held
+until the scheduler admits the request, where its prefix match finds them
+like any RAM hit. A file that fails a check is quarantined and the prompt is computed
 from there.
 
 Two servers on one directory: an exclusive ``flock`` on ``DIR/lock``. The
@@ -62,7 +63,6 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _ext
-from .allocator import chain_hashes
 
 log = logging.getLogger("mlxfast.ssd")
 
@@ -187,8 +187,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 class SSDTier:
-    """The disk index and the write/restore machinery; engine-thread only,
-    except ``request_flush``/``wait_flushed``/``stats`` (any thread)."""
+    """The disk index and the write/restore machinery, a ``KVConnector``
+    (kv/connector.py); engine-thread only, except
+    ``request_flush``/``wait_flushed``/``stats`` (any thread)."""
+
+    enabled = True
 
     def __init__(self, root: str | os.PathLike, namespace: str, pool, allocator, *,
                  max_bytes: int = 32 << 30, verify: bool = True, demote_idle_s: float | None = None,
@@ -279,9 +282,10 @@ class SSDTier:
         self.pending: dict[bytes, int] = {}  # key -> bytes, queued writes
         self.dirty: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # key -> (block, registered at)
         self.evicted: list[tuple[int, bytes]] = []  # blocks to spill before they are overwritten
-        self.restoring: dict[int, list] = {}  # read job id -> [seq, held blocks, keys, t0, cancelled]
+        self.restoring: dict[int, list] = {}  # read job id -> [load id, held blocks, keys, t0, cancelled]
         self.abandoned: set[int] = set()  # read jobs past restore_timeout_s, still in the reader
-        self.holds: list[tuple[object, list[int]]] = []  # (seq, blocks) held until admitted
+        self.holds: dict[int, list[int]] = {}  # load id -> blocks held until the scheduler releases it
+        self._finished: list[int] = []  # loads over, not yet reported
         self.busy_write_blocks = max(1, busy_write_bytes // self.block_bytes)
         self.busy_write_bytes = busy_write_bytes
         self._last_busy_write = 0.0
@@ -336,7 +340,7 @@ class SSDTier:
             self.pending[k] = self.block_bytes
         self.counters["submit_seconds"] += time.perf_counter() - t0  # engine-thread cost of writes
 
-    def spill_evicted(self) -> None:
+    def save_evicted(self) -> None:
         """Before the step writes into freshly allocated blocks: save the cached
         ones it evicted (call after every allocation)."""
         if not self.evicted:
@@ -401,49 +405,46 @@ class SSDTier:
             self.writer.remove(names)
             self.counters["evicted_files"] += len(names)
 
-    # -- restores --------------------------------------------------------------
-    def try_restore(self, seq) -> bool:
-        """Start loading the disk blocks that continue ``seq``'s RAM-cached prefix.
-        True: the tier owns the sequence until ``service`` hands it back."""
-        bs = self.bs
-        seq.hashes = chain_hashes(seq.tokens, bs, seq.namespace, seq.hashes)
-        limit = (len(seq.tokens) - 1) // bs  # the last token is always computed
-        if not self.alloc.enable_prefix_cache or limit == 0:
-            return False
-        r = 0
-        while r < limit and seq.hashes[r] in self.alloc.cached:
-            r += 1
-        k = r
-        while k < limit and seq.hashes[k] in self.index:
+    # -- loads (restores): the KVConnector questions ---------------------------
+    def num_loadable(self, keys, start: int, limit: int) -> int:
+        """Blocks ``keys[start:]`` on disk, consecutively, at most ``limit`` and
+        no more than the free pool blocks allow (one is left for the prompt's rest)."""
+        if self.abandoned:  # a read is stuck (hung disk?): compute until it returns
+            return 0
+        k = start
+        while k < len(keys) and k - start < limit and keys[k] in self.index:
             k += 1
-        k = min(k, r + max(0, self.alloc.num_free - 1))
-        if k == r or self.abandoned:  # a read is stuck (hung disk?): compute until it returns
-            return False
-        held = self.alloc.match_prefix(seq.hashes[:r])
-        if len(held) != r:  # cannot happen (r was measured just now); be safe
-            self.alloc.free(held)
-            return False
-        keys = seq.hashes[r:k]
+        return min(k - start, max(0, self.alloc.num_free - 1))
+
+    def start_load(self, load_id: int, keys, start: int, n: int) -> None:
+        """Read ``keys[start:start + n]`` from disk, holding the RAM-cached
+        ``keys[:start]`` meanwhile; ``finished_loads`` reports it done."""
+        held = self.alloc.match_prefix(list(keys[:start]))
+        keys = list(keys[start:start + n])
         job = self.reader.submit([h.hex() + ".kv" for h in keys], keys, self.specs, self.ns_hash,
                                  self.layout, self.verify)
-        self.restoring[job] = [seq, held, keys, time.monotonic(), False]
+        self.restoring[job] = [load_id, held, keys, time.monotonic(), False]
         for h in keys:  # in use: the newest end of the LRU
             self.index.move_to_end(h)
-        return True
 
-    def cancel(self, request_id: str) -> bool:
+    def finished_loads(self) -> list[int]:
+        done, self._finished = self._finished, []
+        return done
+
+    def release(self, load_id: int) -> None:
+        """Free what the load holds; a read in flight is cancelled (its result is dropped)."""
+        held = self.holds.pop(load_id, None)
+        if held:
+            self.alloc.free(held)
         for entry in self.restoring.values():
-            seq = entry[0]
-            if seq.request_id == request_id and not entry[4]:
+            if entry[0] == load_id and not entry[4]:
                 entry[4] = True
                 self.alloc.free(entry[1])
                 entry[1] = []
-                return True
-        return False
 
-    def _finish_restore(self, res, add) -> None:
+    def _finish_restore(self, res) -> None:
         job, n_total, n_ok, fail_name, fail_reason, fail_missing, seconds, nbytes, arrays = res
-        seq, held, keys, t0, cancelled = self.restoring.pop(job)
+        load_id, held, keys, t0, cancelled = self.restoring.pop(job)
         self.counters["restore_read_seconds"] += seconds  # the reader thread's own time
         self.counters["read_bytes"] += nbytes
         if fail_reason:
@@ -462,7 +463,7 @@ class SSDTier:
         if n > 0:
             tc = time.perf_counter()
             blocks = self.alloc.allocate(n)
-            self.spill_evicted()  # blocks just evicted for these: save them before overwriting
+            self.save_evicted()  # blocks just evicted for these: save them before overwriting
             bs = self.bs
             rows = mx.array((np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs))
                             .reshape(-1).astype(np.int32))
@@ -479,18 +480,18 @@ class SSDTier:
             self.counters["restored_bytes"] += nbytes * n // max(1, n_ok)
             self.counters["restore_seconds"] += time.monotonic() - t0
         del arrays
-        self._hand_back(seq, held, add)
+        self._done(load_id, held)
 
-    def _hand_back(self, seq, held, add) -> None:
-        """The sequence goes to the scheduler, its prefix blocks held until it is admitted."""
-        self.holds.append((seq, held))
-        add(seq)
+    def _done(self, load_id: int, held: list[int]) -> None:
+        """The load is over: its blocks stay held until the scheduler releases it."""
+        self.holds[load_id] = held
+        self._finished.append(load_id)
 
-    def _expire_restores(self, add) -> None:
+    def _expire_restores(self) -> None:
         """Give up on reads older than restore_timeout_s: those prompts are computed;
         the read's result, if it ever comes, is dropped."""
         now = time.monotonic()
-        for job, (seq, held, _keys, t0, cancelled) in list(self.restoring.items()):
+        for job, (load_id, held, _keys, t0, cancelled) in list(self.restoring.items()):
             if now - t0 < self.restore_timeout_s:
                 continue
             del self.restoring[job]
@@ -499,20 +500,7 @@ class SSDTier:
             log.warning("ssd cache: a block read has taken over %.0fs (slow or hung disk?); computing "
                         "the prompt instead, no restores until it returns", self.restore_timeout_s)
             if not cancelled:
-                self._hand_back(seq, held, add)
-
-    def release_holds(self) -> None:
-        """After a schedule: drop the references that kept restored blocks for
-        sequences that have been admitted (or finished)."""
-        if not self.holds:
-            return
-        keep = []
-        for seq, blocks in self.holds:
-            if seq.status == "waiting":
-                keep.append((seq, blocks))
-            else:
-                self.alloc.free(blocks)
-        self.holds = keep
+                self._done(load_id, held)
 
     # -- the engine loop -------------------------------------------------------
     def has_work(self) -> bool:
@@ -539,17 +527,17 @@ class SSDTier:
             t.append(max(0.05, min(1.0, self.demote_idle_s / 4)))
         return min(t) if t else None
 
-    def service(self, add, busy: bool) -> None:
+    def service(self, busy: bool) -> None:
         """Engine thread, each loop iteration: completions, restores, write-behind,
-        demotion, flush requests. ``add(seq)`` hands a restored sequence to the scheduler."""
+        demotion, flush requests."""
         self._poll_writes()
         if self.restoring or self.abandoned:
             for res in self.reader.poll():
                 if res[0] in self.abandoned:
                     self.abandoned.discard(res[0])
                 else:
-                    self._finish_restore(res, add)
-            self._expire_restores(add)
+                    self._finish_restore(res)
+            self._expire_restores()
         now = time.monotonic()
         if self._flush_req.is_set():
             self._flush_req.clear()
