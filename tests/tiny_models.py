@@ -36,6 +36,9 @@ TYPES = {
     "gemma3_text": {"tie_word_embeddings": False, "num_hidden_layers": 4, "head_dim": 32, "sliding_window": 4,
                     "sliding_window_pattern": 2, "query_pre_attn_scalar": 24,
                     "rope_local_base_freq": 500.0, "rms_norm_eps": 1e-6},
+    # Phi-3's own keys; a window shorter than the test prompts, which mlx-lm and
+    # llama.cpp ignore (so does mlxfast: every layer attends fully).
+    "phi3": {"tie_word_embeddings": False, "original_max_position_embeddings": 512, "sliding_window": 4},
 }
 
 

@@ -9,6 +9,7 @@ crashes on damaged headers and its Q4_K conversion is wrong (both measured).
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -40,7 +41,16 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_NAMES_OF = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+# Phi-3: q/k/v and gate/up fused, as in its HF checkpoint (ffn_up holds 2 x ff rows).
+_PHI3_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAMES_OF = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -114,6 +124,8 @@ def gguf_config(meta: dict) -> dict:
         config["rope_scaling"] = {"type": "linear", "factor": float(scale)}
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
+    elif arch == "phi3":
+        config.update(_phi3_config(get, config))
     config["gguf_architecture"] = arch
     return config
 
@@ -149,6 +161,47 @@ def _gemma3_config(get, config: dict) -> dict:
     if cap:
         out["final_logit_softcapping"] = float(cap)
     return out
+
+
+def _phi3_config(get, config: dict) -> dict:
+    """llama.cpp's phi3 keys: rope.dimension_count is the rotated part of a
+    head (partial RoPE), not the head size; LongRoPE's original context and
+    attention factor (its factors are tensors: see ``hf_weights``)."""
+    head_dim = int(get("attention.key_length") or config["hidden_size"] // config["num_attention_heads"])
+    rot = int(get("rope.dimension_count") or head_dim)
+    partial = rot / head_dim
+    while int(head_dim * partial) < rot:  # int() must give rot back (HF's rounding)
+        partial = math.nextafter(partial, 2.0)
+    out = {
+        "model_type": "phi3",
+        "architectures": ["Phi3ForCausalLM"],
+        "head_dim": head_dim,
+        "partial_rotary_factor": partial,
+        # llama.cpp scales cos/sin by this key only (1 when absent).
+        "rope_attn_factor": float(get("rope.scaling.attn_factor", 1.0)),
+    }
+    orig = get("rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    window = get("attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+    return out
+
+
+def _phi3_rope_factors(tensors: dict, config: dict) -> None:
+    """LongRoPE's factor tensors into the config's ``rope_scaling``, as HF writes it."""
+    attn = config.pop("rope_attn_factor", 1.0)
+    long = tensors.get("rope_factors_long.weight")
+    if long is None:
+        return
+    short = tensors.get("rope_factors_short.weight", long)
+    config["rope_scaling"] = {
+        "type": "longrope",
+        "long_factor": [float(x) for x in long.astype(mx.float32).tolist()],
+        "short_factor": [float(x) for x in short.astype(mx.float32).tolist()],
+        "attention_factor": attn,
+    }
 
 
 def _unpermute(w: mx.array, n_heads: int) -> mx.array:
@@ -196,6 +249,8 @@ def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:
                 if key in out:
                     out[key] = _unpermute(out[key], heads)
 
+    if arch == "phi3":
+        _phi3_rope_factors(tensors, config)
     config["tie_word_embeddings"] = "lm_head.weight" not in out
     return out, _quantization_of(out)
 
