@@ -139,7 +139,8 @@ def build_model(config: dict, weights: dict, quantization: dict, source: str = "
     weights = model.sanitize(weights)
 
     for path, layer in list(model.named_modules()):
-        if not isinstance(layer, (Linear, Embedding)) or f"{path}.scales" not in weights:
+        quantizable = isinstance(layer, (Linear, Embedding)) or hasattr(layer, "to_quantized")
+        if not quantizable or f"{path}.scales" not in weights:
             continue
         params = _quant_params(quantization, path, weights)
         if params is None:
@@ -148,6 +149,8 @@ def build_model(config: dict, weights: dict, quantization: dict, source: str = "
         if isinstance(layer, Linear):
             out_dims, in_dims = layer.weight.shape
             new = QuantizedLinear(in_dims, out_dims, "bias" in layer, group_size, bits)
+        elif not isinstance(layer, Embedding):  # e.g. stacked MoE experts (models/moe.py)
+            new = layer.to_quantized(group_size, bits)
         else:
             num, dims = layer.weight.shape
             new = QuantizedEmbedding(num, dims, group_size, bits)

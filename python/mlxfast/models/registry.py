@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import gemma3, llama
+from . import gemma3, llama, moe
 
 MODEL_TYPES = {
     "llama": llama,
@@ -10,6 +10,8 @@ MODEL_TYPES = {
     "qwen2": llama,
     "qwen3": llama,
     "gemma3_text": gemma3,
+    "qwen3_moe": moe,
+    "mixtral": moe,
 }
 
 GGUF_ARCHITECTURES = ("llama", "gemma3")

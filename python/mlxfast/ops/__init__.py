@@ -8,7 +8,8 @@ compare against them.
 
 One module per kernel family: ``dispatch`` (where ops run, the CPU path),
 ``activation``, ``norm_rope``, ``matmul``, ``attention``, ``kvquant`` (the
-quantized-KV formats and kernels), ``sampling``.
+quantized-KV formats and kernels), ``moe`` (mixture-of-experts routing and
+experts), ``sampling``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .kvquant import (KVQuantFormat, has_native_kv_quant, kv_quant_dequant,
 from .matmul import (dense_matmul, dense_matmul_reference, dequantize_rows,
                      dequantize_rows_reference, quantized_matmul, quantized_matmul_reference)
 from .norm_rope import qkv_rope, qkv_rope_reference, rms_norm, rms_norm_reference, rope, rope_reference
+from .moe import moe_experts, moe_experts_reference, moe_route, moe_route_reference
 from .sampling import sample_tokens, sample_tokens_reference
 
 __all__ = [
@@ -36,7 +38,8 @@ __all__ = [
     "has_native_paged_attention", "kv_quant_dequant", "kv_quant_dequant_reference",
     "kv_quant_encode", "kv_quant_encode_reference", "kv_quant_paged_attention",
     "kv_quant_paged_attention_reference", "kv_write", "kv_write_pair", "kv_write_pair_reference",
-    "kv_write_reference", "num_threads", "on_cpu", "paged_attention", "paged_attention_reference",
+    "kv_write_reference", "moe_experts", "moe_experts_reference", "moe_route",
+    "moe_route_reference", "num_threads", "on_cpu", "paged_attention", "paged_attention_reference",
     "paged_gather", "paged_gather_reference", "qkv_rope", "qkv_rope_reference", "quantized_matmul",
     "quantized_matmul_reference", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
     "sample_tokens", "sample_tokens_reference", "set_cpu_path", "silu_mul", "silu_mul_halves",
