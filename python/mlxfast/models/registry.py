@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import gemma3, llama, moe
+from . import gemma3, llama, moe, phi3
 
 MODEL_TYPES = {
     "llama": llama,
@@ -10,11 +10,12 @@ MODEL_TYPES = {
     "qwen2": llama,
     "qwen3": llama,
     "gemma3_text": gemma3,
+    "phi3": phi3,
     "qwen3_moe": moe,
     "mixtral": moe,
 }
 
-GGUF_ARCHITECTURES = ("llama", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "gemma3", "phi3")
 
 
 def model_module(model_type: str | None):
