@@ -19,7 +19,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, quants
+from gguf import GGUFWriter
+from gguf_oracle import (ASSISTANT, END, ENDOFTEXT, SPECIALS, SYSTEM, VOCAB, add_tensors, add_vocab,
+                         agreement, byte_chars, byte_id, finish, llama_cpp_logits, sequences)
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 from tiny_gguf import roundtrip
@@ -209,10 +211,6 @@ def test_engine_matches_one_shot(tmp_path):
 
 # ---------------------------------------------------------------- GGUF
 
-SPECIALS = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>", "<|system|>"]
-UNK, BOS, EOS_S, ENDOFTEXT, USER, ASSISTANT, END, SYSTEM = range(len(SPECIALS))
-VOCAB = len(SPECIALS) + 256 + 1  # the specials, the 256 bytes, one merge ("ĠĠ": two spaces)
-
 PHI3_TEMPLATE = (  # Phi-3.5-mini-instruct's
     "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
     "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
@@ -223,12 +221,6 @@ PHI3_TEMPLATE = (  # Phi-3.5-mini-instruct's
 _GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
                "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-
-
-def _byte_chars() -> list[str]:
-    from tiny_gguf import _byte_chars as chars
-
-    return chars()
 
 
 def _gguf_name(hf: str) -> str:
@@ -244,7 +236,6 @@ def write_phi3_gguf(path, config: dict, weights: dict, qtype, chat_template: str
     """HF-named fp32 numpy weights as the GGUF llama.cpp's converter writes for
     phi3 (fused attn_qkv and ffn_up as they are, no q/k permutation; LongRoPE
     factors as tensors, its attention factor and original context as keys)."""
-    hd = config["hidden_size"] // config["num_attention_heads"]
     w = GGUFWriter(str(path), "phi3")
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -266,28 +257,9 @@ def write_phi3_gguf(path, config: dict, weights: dict, qtype, chat_template: str
         w.add_rope_scaling_orig_ctx_len(orig)
         w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    tokens = SPECIALS + _byte_chars() + ["ĠĠ"]
-    assert len(tokens) == VOCAB and hd > 0
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * 257)
-    w.add_token_merges(["Ġ Ġ"])
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(ENDOFTEXT)
-    w.add_add_bos_token(False)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    for name, arr in weights.items():
-        arr = np.asarray(arr, np.float32)
-        if arr.ndim == 2 and qtype != Q.F32:
-            w.add_tensor(_gguf_name(name), quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(_gguf_name(name), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    add_vocab(w, chat_template)
+    add_tensors(w, {_gguf_name(k): v for k, v in weights.items()}, qtype)
+    finish(w)
     return path
 
 
@@ -352,31 +324,9 @@ def test_gguf_converts_to_a_directory_mlx_lm_loads(tmp_path, qtype):
         assert _rel_err(load_model(out)[0](tokens), from_file) < 1e-4
 
 
-def _llama_cpp_logits(path, ids_list, n_ctx):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2, seed=0)
-    out = []
-    for ids in ids_list:
-        llm.reset()
-        llm.eval(ids)
-        out.append(np.array(llm.scores[:len(ids)], dtype=np.float32))
-    return out
-
-
 def _ours_logits(model, ids_list):
     return [np.array(model(mx.array([ids]), DenseKVCache(len(model.layers)))[0].astype(mx.float32))
             for ids in ids_list]
-
-
-def _agreement(a: list, b: list) -> tuple[float, float]:
-    """(teacher-forced top-1 agreement, largest |difference| / largest |b|)."""
-    a, b = np.concatenate(a), np.concatenate(b)
-    return float((a.argmax(-1) == b.argmax(-1)).mean()), float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def _sequences(seed: int, n: int = 4, length: int = 120):
-    rng = np.random.default_rng(seed)
-    return [[int(x) for x in rng.integers(len(SPECIALS), VOCAB, length)] for _ in range(n)]
 
 
 @pytest.mark.parametrize("name", ["plain", "su", "longrope"])
@@ -384,9 +334,9 @@ def test_gguf_agrees_with_llama_cpp(tmp_path, name):
     """Teacher-forced top-1 over random sequences, llama.cpp on the same F32
     file with a context above the original one (its long factors, as ours)."""
     path, *_ = _tiny_gguf(tmp_path, name, Q.F32)
-    seqs = _sequences(7)
-    top1, diff = _agreement(_ours_logits(_gguf_model(path)[0], seqs),
-                            _llama_cpp_logits(path, seqs, n_ctx=2 * ORIGINAL))
+    seqs = sequences(7)
+    top1, diff = agreement(_ours_logits(_gguf_model(path)[0], seqs),
+                            llama_cpp_logits(path, seqs, n_ctx=2 * ORIGINAL))
     print(f"{name} F32: top-1 agreement {top1:.3f}, max rel diff {diff:.2e}")
     assert top1 >= 0.98
     assert diff < 2e-2  # llama.cpp keeps K/V in f16
@@ -403,13 +353,13 @@ def test_q8_0_gguf_agrees_with_llama_cpp_as_it_does_with_itself(tmp_path, name):
     path, _, config, weights = _tiny_gguf(tmp_path, name, Q.Q8_0)
     f32 = write_phi3_gguf(tmp_path / "kept.gguf", config,
                           {k: kept(v, Q.Q8_0) if v.ndim == 2 else v for k, v in weights.items()}, Q.F32)
-    seqs = _sequences(7)
+    seqs = sequences(7)
     ours = _ours_logits(_gguf_model(path)[0], seqs)
-    q8 = _llama_cpp_logits(path, seqs, n_ctx=2 * ORIGINAL)
-    ref32 = _llama_cpp_logits(f32, seqs, n_ctx=2 * ORIGINAL)
-    top1, diff = _agreement(ours, q8)
-    self_top1, self_diff = _agreement(ref32, q8)
-    top1_32, diff_32 = _agreement(ours, ref32)
+    q8 = llama_cpp_logits(path, seqs, n_ctx=2 * ORIGINAL)
+    ref32 = llama_cpp_logits(f32, seqs, n_ctx=2 * ORIGINAL)
+    top1, diff = agreement(ours, q8)
+    self_top1, self_diff = agreement(ref32, q8)
+    top1_32, diff_32 = agreement(ours, ref32)
     print(f"{name} Q8_0: top-1 vs llama.cpp {top1:.3f} (llama.cpp F32 vs Q8_0: {self_top1:.3f}), "
           f"vs llama.cpp F32 {top1_32:.3f}, max rel diff {diff:.2e} ({self_diff:.2e}; {diff_32:.2e})")
     assert top1 >= self_top1 - 0.01 and diff < 1.2 * self_diff
@@ -421,10 +371,10 @@ def test_gguf_long_factors_are_llama_cpps_long_context_ones(tmp_path):
     the original one and the long ones above it; ours are the long ones (the
     check sees the difference: it is no formality)."""
     path, *_ = _tiny_gguf(tmp_path, "longrope", Q.F32)
-    seqs = _sequences(8, n=2, length=ORIGINAL // 2)
+    seqs = sequences(8, n=2, length=ORIGINAL // 2)
     ours = _ours_logits(_gguf_model(path)[0], seqs)
-    top1_long, diff_long = _agreement(ours, _llama_cpp_logits(path, seqs, n_ctx=2 * ORIGINAL))
-    top1_short, diff_short = _agreement(ours, _llama_cpp_logits(path, seqs, n_ctx=ORIGINAL))
+    top1_long, diff_long = agreement(ours, llama_cpp_logits(path, seqs, n_ctx=2 * ORIGINAL))
+    top1_short, diff_short = agreement(ours, llama_cpp_logits(path, seqs, n_ctx=ORIGINAL))
     print(f"long context: top-1 {top1_long:.3f} diff {diff_long:.2e}; "
           f"short context: top-1 {top1_short:.3f} diff {diff_short:.2e}")
     assert top1_long >= 0.98 and diff_long < 2e-2
@@ -438,8 +388,7 @@ def _chat_weights(hidden: int, vocab: int) -> dict:
     current one (attention and MLP write nothing; the head maps a token's
     one-hot embedding to its successor): after a newline "O", then "K", then
     <|end|>, then a newline again; after anything else "O"."""
-    byte = {b: len(SPECIALS) + b for b in range(256)}
-    nl, o, k = byte[ord("\n")], byte[ord("O")], byte[ord("K")]
+    nl, o, k = byte_id(ord("\n")), byte_id(ord("O")), byte_id(ord("K"))
     nxt = np.full(vocab, o)
     nxt[nl], nxt[o], nxt[k], nxt[END] = o, k, END, nl
     rng = np.random.default_rng(0)
@@ -473,7 +422,7 @@ def _phi3_hf_tokenizer(out):
     Phi-3's tokenizer_config (eos <|endoftext|>, its chat template)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + _byte_chars() + ["ĠĠ"])}
+    vocab = {t: i for i, t in enumerate(SPECIALS + byte_chars() + ["ĠĠ"])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "Ġ")], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -507,7 +456,7 @@ def test_chat_template_and_end_of_turn_stop(chat_model):
     text = tok.apply_chat_template(messages)
     assert text == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
     ids = tok.encode(text, add_special_tokens=True)
-    assert ids[:2] == [SYSTEM, len(SPECIALS) + ord("\n")] and ids[-2:] == [ASSISTANT, len(SPECIALS) + ord("\n")]
+    assert ids[:2] == [SYSTEM, byte_id(ord("\n"))] and ids[-2:] == [ASSISTANT, byte_id(ord("\n"))]
     # The model writes "OK<|end|>\nOK<|end|>..." after a newline: the answer
     # ends at <|end|>, which never reaches the text.
     chunks = list(stream_generate(model, tok, messages, max_tokens=16))
