@@ -50,7 +50,10 @@ _PHI3_LAYER_NAMES = {
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_NAMES_OF = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+_LAYER_NAMES_OF = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES,
+                   "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES}
+# Architectures that are llama's layers with flags (qwen2: q/k/v biases; qwen3: q/k norms).
+_LLAMA_LIKE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -122,6 +125,10 @@ def gguf_config(meta: dict) -> dict:
     kind = _scalar(meta, f"{arch}.rope.scaling.type")
     if kind == "linear" and scale:
         config["rope_scaling"] = {"type": "linear", "factor": float(scale)}
+    elif kind not in (None, "none", "linear"):  # e.g. yarn: other angles at every position
+        raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (linear only)")
+    if arch in _LLAMA_LIKE:
+        config.update(model_type=arch, architectures=[_LLAMA_LIKE[arch]])
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
     elif arch == "phi3":
