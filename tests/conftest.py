@@ -157,9 +157,13 @@ def tokenizer():
 
 class FakeEngine:
     """Scripted engine: ``script(request) -> text``; the text is tokenized
-    and streamed one token per event, as the real engine would."""
+    and streamed one token per event, as the real engine would, and measured
+    as the real engine measures (``engine.metrics.RequestMetrics``)."""
 
     def __init__(self, tokenizer, script, max_model_len: int = 2048):
+        from mlxfast.engine.metrics import RequestMetrics
+
+        self.metrics = RequestMetrics()
         self.tok = tokenizer
         self.script = script
         self.max_model_len = max_model_len
@@ -172,7 +176,8 @@ class FakeEngine:
         self.delay = 0.0  # seconds before each token
 
     def stats(self):
-        return {"kv_cache_usage_perc": 0.25, "num_requests_running": 0, "num_requests_waiting": 0}
+        return {"kv_cache_usage_perc": 0.25, "num_requests_running": 0, "num_requests_waiting": 0,
+                **self.metrics.snapshot()}
 
     def abort(self, rid):
         self.aborted.append(rid)
@@ -192,7 +197,24 @@ class FakeEngine:
         if len(request.prompt_ids) >= self.max_model_len:
             raise PromptTooLong("the prompt does not fit")
         self.requests.append(request)
-        return self._events(request)
+        self.metrics.admitted(len(request.prompt_ids))
+        return self._measured(request, self._events(request))
+
+    async def _measured(self, request, events):
+        import time
+
+        from mlxfast.engine.api import FinishEvent
+
+        t0 = last = time.monotonic()
+        first = True
+        async for ev in events:
+            now = time.monotonic()
+            if isinstance(ev, FinishEvent):
+                self.metrics.finished(ev.finish_reason, now - t0, ev.prompt_tokens, ev.completion_tokens)
+            else:
+                self.metrics.token(ttft=now - t0 if first else None, gap=None if first else now - last)
+                first, last = False, now
+            yield ev
 
     async def _events(self, request):
         from mlxfast.engine.api import FinishEvent, TokenEvent

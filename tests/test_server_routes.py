@@ -274,9 +274,11 @@ def test_metrics_follow_requests(fake_client, path):
     body = {"messages": USER} if "chat" in path else {"model": "m", "max_tokens": 9, "messages": USER}
     assert c.post(path, json=body).status_code == 200
     text = c.get("/metrics").text
-    assert 'mlxfast:generation_tokens_total{model_name="fake"} 3' in text
-    assert "mlxfast:time_to_first_token_seconds_count 1" in text
+    assert 'mlxfast:generation_tokens_total{model_name="fake"} 3.0' in text
+    assert 'mlxfast:time_to_first_token_seconds_count{model_name="fake"} 1.0' in text
+    assert 'mlxfast:inter_token_latency_seconds_count{model_name="fake"} 2.0' in text
     assert 'mlxfast:kv_cache_usage_perc{model_name="fake"} 0.25' in text
+    assert 'mlxfast:request_success_total{finished_reason="stop",model_name="fake"} 1.0' in text
 
 
 def test_constrained_output_turns_thinking_off(fake_client):

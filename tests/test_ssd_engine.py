@@ -229,7 +229,7 @@ def test_flush_route_and_metrics(fake_client):
     assert client.post("/admin/cache/flush?timeout=x", headers=auth).status_code == 400
     eng.stats = lambda: {"ssd": {"enabled": True, "entries": 7, "restored_blocks": 3, "quarantined": 1}}
     text = client.get("/metrics").text
-    assert 'mlxfast:ssd_cache_entries{model_name="fake"} 7' in text
+    assert 'mlxfast:ssd_cache_entries{model_name="fake"} 7.0' in text
     assert "mlxfast:ssd_cache_restored_blocks_total" in text and "mlxfast:ssd_cache_quarantined_total" in text
     assert client.get("/stats", headers=auth).json()["engine"]["ssd"]["entries"] == 7
 

@@ -286,7 +286,7 @@ def test_chat_streams_and_keeps_history(driver, web_server):
     assert not _assistants(d) and not _busy(d)
 
     d.execute_script(RECORD)
-    st0 = _stats(web_server)["server"]
+    st0 = _stats(web_server)["metrics"]
     box.send_keys(Keys.ENTER)
     _wait(d, lambda: len(_assistants(d)) == 1 and not _busy(d)
           and _assistants(d)[0].get_attribute("data-done") == "true", "the first answer")
@@ -299,7 +299,7 @@ def test_chat_streams_and_keeps_history(driver, web_server):
     assert d.find_element("id", "input").get_attribute("value") == ""
     assert d.find_elements("css selector", '[data-role="user"]')[0].text == q1
     usage = d.find_element("id", "usage")
-    st1 = _stats(web_server)["server"]
+    st1 = _stats(web_server)["metrics"]
     n1 = int(usage.get_attribute("data-completion-tokens"))
     assert 1 <= n1 <= 16 and n1 == st1["generation_tokens_total"] - st0["generation_tokens_total"]
     assert "tok/s" in usage.text and "cached" in usage.text
@@ -308,14 +308,14 @@ def test_chat_streams_and_keeps_history(driver, web_server):
     a1 = _api(web_server, "POST", "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": q1}], "temperature": 0, "top_p": 1, "max_tokens": 16,
     })["choices"][0]["message"]["content"]
-    p1 = _api(web_server, "GET", "/stats")["server"]["prompt_tokens_total"]
+    p1 = _api(web_server, "GET", "/stats")["metrics"]["prompt_tokens_total"]
     assert p1 - st0["prompt_tokens_total"] == 2 * int(usage.get_attribute("data-prompt-tokens"))  # the page's, ours
 
     q2 = "And of Italy?"
     _ask(d, q2)
     _wait(d, lambda: len(_assistants(d)) == 2 and not _busy(d)
           and _assistants(d)[1].get_attribute("data-done") == "true", "the second answer")
-    received = _stats(web_server)["server"]["prompt_tokens_total"] - p1  # the prompt the server got
+    received = _stats(web_server)["metrics"]["prompt_tokens_total"] - p1  # the prompt the server got
     full = _api(web_server, "POST", "/tokenize", json={"messages": [
         {"role": "user", "content": q1}, {"role": "assistant", "content": a1}, {"role": "user", "content": q2}]})
     alone = _api(web_server, "POST", "/tokenize", json={"messages": [{"role": "user", "content": q2}]})
@@ -327,13 +327,13 @@ def test_chat_streams_and_keeps_history(driver, web_server):
     d.find_element("id", "new-chat").click()
     assert not _assistants(d)
     _set(d, "system", "You are terse.")
-    p2 = _stats(web_server)["server"]["prompt_tokens_total"]
+    p2 = _stats(web_server)["metrics"]["prompt_tokens_total"]
     _ask(d, q2)
     _wait(d, lambda: len(_assistants(d)) == 1 and _assistants(d)[0].get_attribute("data-done") == "true"
           and not _busy(d), "the answer after a new chat")
     with_system = _api(web_server, "POST", "/tokenize", json={"messages": [
         {"role": "system", "content": "You are terse."}, {"role": "user", "content": q2}]})
-    assert _stats(web_server)["server"]["prompt_tokens_total"] - p2 == with_system["count"]
+    assert _stats(web_server)["metrics"]["prompt_tokens_total"] - p2 == with_system["count"]
     _set(d, "system", "")
 
 
@@ -345,7 +345,7 @@ def test_stop_aborts_the_request(driver, web_server):
     _set(d, "temperature", "0")
     _set(d, "max-tokens", "900")
     st0 = _stats(web_server)
-    s0, s0_engine = st0["server"], st0["engine"]
+    s0, s0_engine = st0["metrics"], st0["engine"]
     aborted0 = s0["request_success_total"].get("abort", 0)
     _ask(d, "Write a very long story about a dragon who learns to fly, with many chapters.")
     _wait(d, lambda: _busy(d) and len(_assistants(d)) == 1 and _assistants(d)[0].text.strip(),
@@ -358,10 +358,10 @@ def test_stop_aborts_the_request(driver, web_server):
     deadline = time.time() + 20
     while time.time() < deadline:
         st = _stats(web_server)
-        if st["server"]["request_success_total"].get("abort", 0) == aborted0 + 1:
+        if st["metrics"]["request_success_total"].get("abort", 0) == aborted0 + 1:
             break
         time.sleep(0.1)
-    s1 = st["server"]
+    s1 = st["metrics"]
     assert s1["request_success_total"].get("abort", 0) == aborted0 + 1, s1
     assert sum(s1["request_success_total"].values()) == sum(s0["request_success_total"].values()) + 1
     # Nothing left running, and every KV block free again (cached blocks are free to reuse).
@@ -373,7 +373,7 @@ def test_stop_aborts_the_request(driver, web_server):
     e = st["engine"]
     assert e["num_requests_running"] == 0 and e["num_requests_waiting"] == 0, e
     assert e["free_blocks"] == e["total_blocks"], e
-    assert st["server"]["num_requests_running"] == 0 and st["server"]["num_requests_waiting"] == 0
+    assert st["metrics"]["num_requests_running"] == 0 and st["metrics"]["num_requests_waiting"] == 0
     # It was stopped early: far fewer tokens than the 900 asked for.
     assert e["generation_tokens_total"] - s0_engine["generation_tokens_total"] < 300
 

@@ -19,7 +19,6 @@ EngineDead.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import hashlib
 import logging
@@ -37,6 +36,7 @@ from ..kv.layer_spec import KVGroups
 from ..kv.schemes import parse_kv_quant
 from .api import EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request, TokenEvent
 from .config import EngineConfig
+from .metrics import RequestMetrics
 from .output import OutputProcessor
 from .runner import Runner
 from .sampler import Sampled, SamplingState, sample, score_tokens
@@ -44,36 +44,6 @@ from .scheduler import Scheduler, Seq
 from .spec import Drafter, RowSpec, check_draft_model, speculation_allowed
 
 log = logging.getLogger("mlxfast.engine")
-
-# Histogram buckets (seconds), in the style of vLLM's.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0)
-
-
-class Histogram:
-    def __init__(self, buckets):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # last = +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, v)] += 1
-        self.sum += v
-        self.count += 1
-
-    def snapshot(self) -> dict:
-        """Prometheus-style cumulative buckets: ``[(le, count), ...]`` ending with +Inf."""
-        cum, out = 0, []
-        for le, c in zip(self.buckets + (float("inf"),), self.counts):
-            cum += c
-            out.append((le, cum))
-        return {"buckets": out, "sum": self.sum, "count": self.count}
-
 
 class RequestStream:
     """Async iterator of one request's events: TokenEvent* then one FinishEvent.
@@ -87,6 +57,7 @@ class RequestStream:
     def __init__(self, engine: "Engine", request_id: str, loop: asyncio.AbstractEventLoop, *,
                  stall_timeout_s: float = 60.0, max_unread: int = 4096):
         self.request_id = request_id
+        self.t_submit = time.monotonic()  # latencies count from here (queueing included)
         self._engine = engine
         self._loop = loop
         self._events: deque = deque()  # (arrival time, event)
@@ -148,7 +119,7 @@ class _ReqState:
         self.stream = stream
         self.sampling = None
         self.out = None
-        self.t_submit = time.monotonic()
+        self.t_submit = stream.t_submit
         self.t_last = None
         self.events = []
         self.prompt_lps = []  # PromptLogprob of prompt tokens 1.. scored so far
@@ -217,16 +188,11 @@ class Engine:
         self.alive = False
         self.error: str | None = None
 
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.num_requests_total = 0
+        self.metrics = RequestMetrics()  # the one source of request metrics (/stats, /metrics)
         self.num_steps = 0
         self.spec_drafts = 0  # rows that carried drafts
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
 
     # -- lifecycle -----------------------------------------------------------
     def start(self, timeout: float | None = 600.0) -> "Engine":
@@ -299,9 +265,7 @@ class Engine:
             "error": self.error,
             "num_requests_running": len(s.running),
             "num_requests_waiting": s.num_waiting + len(self._incoming),
-            "num_requests_total": self.num_requests_total,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
+            **self.metrics.snapshot(),
             "prefix_cache_queries_total": s.prefix_queries,
             "prefix_cache_hits_total": s.prefix_hits,
             "kv_cache_usage_perc": a.usage,
@@ -317,9 +281,6 @@ class Engine:
             "spec_decode": {"kind": self.config.spec_kind, "num_drafts": self.spec_drafts,
                             "num_draft_tokens": self.spec_draft_tokens,
                             "num_accepted_tokens": self.spec_accepted_tokens},
-            "time_to_first_token_seconds": self.ttft.snapshot(),
-            "inter_token_latency_seconds": self.itl.snapshot(),
-            "e2e_request_latency_seconds": self.e2e.snapshot(),
         }
 
     def _group_stats(self) -> list[dict]:
@@ -412,6 +373,9 @@ class Engine:
                 events, st.events = st.events, []
                 st.stream._deliver(events)
                 if isinstance(events[-1], FinishEvent):
+                    fin = events[-1]
+                    self.metrics.finished(fin.finish_reason, time.monotonic() - st.t_submit,
+                                          fin.prompt_tokens, fin.completion_tokens)
                     del self._states[rid]
 
     def _admit(self, request: Request, stream: RequestStream) -> None:
@@ -421,7 +385,7 @@ class Engine:
             return
         st = _ReqState(request, stream)
         self._states[rid] = st
-        self.num_requests_total += 1
+        self.metrics.admitted(len(request.prompt_ids))
         try:
             self._admit_seq(request, st)
         except Exception as e:  # noqa: BLE001  (this request's params, salt, grammar)
@@ -443,7 +407,6 @@ class Engine:
         st.out = OutputProcessor(self.tokenizer, p.stop)
         if self.config.spec_kind and speculation_allowed(p):
             st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max, forced=p.grammar is not None)
-        self.prompt_tokens_total += seq.prompt_len
         if seq.max_tokens <= 0 and not seq.score_prompt:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
             return
@@ -465,8 +428,6 @@ class Engine:
         st = seq.data
         if self.drafter is not None:
             self.drafter.release(seq)
-        now = time.monotonic()
-        self.e2e.observe(now - st.t_submit)
         return FinishEvent(reason, text=text, stop_string=stop_string,
                            stop_token_id=seq.stop_token_id if reason == "stop" else None,
                            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output,
@@ -505,12 +466,11 @@ class Engine:
             # the step's tokens share its time (accepted drafts come with the next token)
             gap = None if st.t_last is None else (now - st.t_last) / len(seq_updates)
             for u in seq_updates:
-                self.generation_tokens_total += 1
                 if gap is None:
-                    self.ttft.observe(now - st.t_submit)
+                    self.metrics.token(ttft=now - st.t_submit, gap=None)
                     gap = 0.0
                 else:
-                    self.itl.observe(gap)
+                    self.metrics.token(ttft=None, gap=gap)
                 try:
                     self._emit(seq, st, u, by_seq[seq][u.k], after=len(seq_updates) - 1 - u.k)
                 except Exception as e:  # noqa: BLE001  (this request's output processing)

@@ -7,12 +7,12 @@ import asyncio
 import math
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 
 from . import chat
+from . import metrics as prom
 from .common import off_loop, parse_body, state_of
 from .errors import bad_request
-from .metrics import merged_values, render_prometheus
 from .schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
@@ -36,8 +36,7 @@ async def health(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     state = state_of(request)
-    text = render_prometheus(state.metrics, state.engine_stats(), state.settings.model_name)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    return Response(prom.render(state.metrics_registry), media_type=prom.CONTENT_TYPE)
 
 
 def _jsonable(v):
@@ -64,8 +63,7 @@ async def stats(request: Request):
         "status": state.status if state.engine_alive() or state.status != "ready" else "error",
         "max_model_len": state.max_model_len if state.engine is not None else None,
         "has_chat_template": state.has_chat_template,
-        "metrics": merged_values(state.metrics, engine_stats),
-        "server": state.metrics.snapshot(),
+        "metrics": prom.values(engine_stats),
         "engine": _jsonable(engine_stats),
     }
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -147,12 +146,7 @@ async def run(
 
 
 async def _steps(state, request, stream, parser, http_request, heartbeat_s):
-    metrics = state.metrics
-    metrics.submitted()
-    t0 = time.perf_counter()
-    last = None
     finished = False
-    got_token = False
     try:
         source = with_heartbeat(stream, heartbeat_s) if heartbeat_s else stream
         async for ev in source:
@@ -161,31 +155,20 @@ async def _steps(state, request, stream, parser, http_request, heartbeat_s):
                     return
                 yield Step(heartbeat=True)
                 continue
-            now = time.perf_counter()
             if isinstance(ev, TokenEvent):
-                if not got_token:
-                    got_token = True
-                    metrics.first_token(now - t0)
-                elif last is not None:
-                    metrics.token_gap(now - last)
-                last = now
                 reasoning = parser.in_reasoning
                 yield Step(pieces=parser.feed(ev.text, ev.token_id), token=ev, reasoning=reasoning)
             elif isinstance(ev, FinishEvent):
                 finished = True
-                metrics.finished(got_token, now - t0, ev.finish_reason, ev.prompt_tokens,
-                                 ev.completion_tokens, ev.cached_tokens)
                 yield Step(pieces=parser.finish(ev.text or ""), finish=ev)
                 return
         # The stream ended without a FinishEvent: treat as an engine failure.
         finished = True
-        metrics.finished(got_token, time.perf_counter() - t0, "error", len(request.prompt_ids), 0, 0)
         yield Step(pieces=parser.finish(""), finish=FinishEvent(
             "error", error="the engine ended the request without finishing it",
             prompt_tokens=len(request.prompt_ids)))
     finally:
         if not finished:
-            metrics.finished(got_token, time.perf_counter() - t0, "abort", len(request.prompt_ids), 0, 0)
             try:
                 state.engine.abort(request.request_id)
             except Exception:

@@ -1,5 +1,5 @@
 """What the routes share: settings, the engine (once loaded), the tokenizer,
-metrics and the grammar compiler."""
+the metrics registry (rendering the engine's stats) and the grammar compiler."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from ..engine.api import EngineLike
 from .errors import APIError
-from .metrics import Metrics
+from . import metrics
 
 
 @dataclass
@@ -42,10 +42,17 @@ class ServerState:
     model: Any = None
     status: str = "loading"  # loading | ready | failed | stopping
     load_error: str | None = None
-    metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     _grammar: Any = None
     _responses: Any = None
+    _metrics: Any = None
+
+    @property
+    def metrics_registry(self):
+        """``/metrics``'s prometheus_client registry: it reads ``engine_stats()`` at each scrape."""
+        if self._metrics is None:
+            self._metrics = metrics.registry(self.engine_stats, lambda: self.settings.model_name)
+        return self._metrics
 
     def set_ready(self, model, tokenizer, engine) -> None:
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
