@@ -75,6 +75,7 @@
 
   function setBusy(busy) {
     document.body.dataset.busy = busy ? "true" : "false";
+    ui.messages.setAttribute("aria-busy", busy ? "true" : "false");
     ui.send.disabled = busy;
     ui.stop.disabled = !busy;
   }
@@ -242,13 +243,14 @@
     if (!question.trim() || chat.controller) return;
     showError("");
     ui.input.value = "";
+    const history = chat.history; // a new chat meanwhile starts another list: this turn stays in its own
     const turn = { role: "user", content: question };
-    chat.history.push(turn);
+    history.push(turn);
     const userEl = addUser(question);
     const view = addAssistant();
     const messages = [];
     if (ui.system.value.trim()) messages.push({ role: "system", content: ui.system.value });
-    messages.push(...chat.history);
+    messages.push(...history);
     const body = {
       model: ui.model.value || "default", messages, stream: true, stream_options: { include_usage: true },
       temperature: number(ui.temperature, 0.7), top_p: number(ui.topP, 1),
@@ -297,7 +299,7 @@
     }
     if (failure && !content) {
       // Nothing was answered: the turn leaves the history, its text goes back to the input.
-      chat.history.splice(chat.history.indexOf(turn), 1);
+      history.splice(history.indexOf(turn), 1);
       userEl.classList.add("failed");
       if (!ui.input.value) ui.input.value = question;
       view.finish("Error: " + failure);
@@ -305,7 +307,8 @@
       showError(failure);
       return;
     }
-    chat.history.push({ role: "assistant", content });
+    history.push({ role: "assistant", content });
+    if (history !== chat.history) return; // the chat was cleared meanwhile
     view.finish(stopped ? "Stopped." : failure ? "Error: " + failure : finish === "length" ? "(cut at max tokens)" : "");
     showUsage(usage, t);
     ui.input.focus();
