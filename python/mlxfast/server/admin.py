@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from . import chat
 from . import metrics as prom
-from .common import off_loop, parse_body, state_of
+from .common import off_loop, ready_body, state_of
 from .errors import bad_request
 from .schemas import DetokenizeRequest, TokenizeRequest
 
@@ -84,9 +84,7 @@ async def cache_flush(request: Request):
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    state = state_of(request)
-    state.require_ready()
-    body = await parse_body(request, TokenizeRequest)
+    state, body = await ready_body(request, TokenizeRequest)
     tok = state.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'")
@@ -109,9 +107,7 @@ async def tokenize(request: Request):
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    state = state_of(request)
-    state.require_ready()
-    body = await parse_body(request, DetokenizeRequest)
+    state, body = await ready_body(request, DetokenizeRequest)
     vocab = state.model_vocab_size
     for t in body.tokens:
         if not 0 <= t < min(vocab, state.tokenizer.vocab_size):

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from . import chat
 from . import generation as gen
 from .chat import ChatRequest
-from .common import new_id, off_loop, parse_body, state_of
+from .common import new_id, off_loop, ready_body
 from .errors import APIError, bad_request
 from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from .schemas import AnthropicCountRequest, AnthropicRequest
@@ -175,9 +175,7 @@ def _tool_input(arguments: str) -> dict:
 
 @router.post("/v1/messages")
 async def messages(request: Request):
-    state = state_of(request)
-    state.require_ready()
-    body = await parse_body(request, AnthropicRequest)
+    state, body = await ready_body(request, AnthropicRequest)
     model = state.resolve_model(body.model)
     prepared = await off_loop(_prepare, state, body)
     ereq, parser = prepared.request, prepared.parser(state.tokenizer)
@@ -303,9 +301,7 @@ async def _stream(ereq, steps, model, n_prompt):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    state = state_of(request)
-    state.require_ready()
-    body = await parse_body(request, AnthropicCountRequest)
+    state, body = await ready_body(request, AnthropicCountRequest)
     state.resolve_model(body.model)
     prompt, _ = await off_loop(lambda: chat.render(state, chat_request(body)))
     return {"input_tokens": len(prompt.ids)}

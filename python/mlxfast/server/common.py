@@ -34,6 +34,14 @@ def state_of(request: Request):
     return request.app.state.mlxfast
 
 
+async def ready_body(request: Request, model: type[M]):
+    """A model route's preamble: ``(state, body)``, with a 503 while the model
+    is not loaded and a 400 for a body ``model`` cannot take."""
+    state = state_of(request)
+    state.require_ready()
+    return state, await parse_body(request, model)
+
+
 def new_id(prefix: str, n: int = 24) -> str:
     return prefix + "".join(secrets.choice(_ALPHABET) for _ in range(n))
 

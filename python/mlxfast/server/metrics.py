@@ -40,21 +40,24 @@ _HISTOGRAMS = (
     ("request_prompt_tokens", "Prompt tokens per finished request."),
     ("request_generation_tokens", "Generated tokens per finished request."),
 )
-_SSD = (  # (stats key, metric, type, help)
-    ("entries", "ssd_cache_entries", "gauge", "KV blocks stored in the SSD cache."),
-    ("bytes", "ssd_cache_bytes", "gauge", "Bytes of KV block files in the SSD cache."),
-    ("pending_writes", "ssd_cache_pending_writes", "gauge", "Block writes queued or in flight."),
-    ("restores", "ssd_cache_restores", "counter", "Requests whose prefix was restored from SSD."),
-    ("restored_blocks", "ssd_cache_restored_blocks", "counter", "KV blocks restored from SSD."),
-    ("restore_seconds", "ssd_cache_restore_seconds", "counter", "Time spent restoring from SSD."),
-    ("spilled_blocks", "ssd_cache_spilled_blocks", "counter", "Evicted RAM blocks written to SSD."),
-    ("write_behind_blocks", "ssd_cache_write_behind_blocks", "counter", "Cached blocks written behind."),
-    ("demoted_blocks", "ssd_cache_demoted_blocks", "counter", "Idle blocks moved from RAM to SSD."),
-    ("dropped_writes", "ssd_cache_dropped_writes", "counter", "Block writes dropped (queue over its cap)."),
-    ("failed_writes", "ssd_cache_failed_writes", "counter", "Block writes that failed (disk full, I/O)."),
-    ("quarantined", "ssd_cache_quarantined", "counter", "Bad or foreign block files moved aside."),
-    ("evicted_files", "ssd_cache_evicted_files", "counter", "Block files removed at the byte cap."),
-)
+# The SSD tier's stats keys (metric ``ssd_cache_<key>``) with their help.
+_SSD_GAUGES = {
+    "entries": "KV blocks stored in the SSD cache.",
+    "bytes": "Bytes of KV block files in the SSD cache.",
+    "pending_writes": "Block writes queued or in flight.",
+}
+_SSD_COUNTERS = {
+    "restores": "Requests whose prefix was restored from SSD.",
+    "restored_blocks": "KV blocks restored from SSD.",
+    "restore_seconds": "Time spent restoring from SSD.",
+    "spilled_blocks": "Evicted RAM blocks written to SSD.",
+    "write_behind_blocks": "Cached blocks written behind.",
+    "demoted_blocks": "Idle blocks moved from RAM to SSD.",
+    "dropped_writes": "Block writes dropped (queue over its cap).",
+    "failed_writes": "Block writes that failed (disk full, I/O).",
+    "quarantined": "Bad or foreign block files moved aside.",
+    "evicted_files": "Block files removed at the byte cap.",
+}
 _SPEC = (  # vLLM's names
     ("num_drafts", "spec_decode_num_drafts", "Rows that carried draft tokens."),
     ("num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
@@ -115,11 +118,12 @@ def families(stats: dict, model_name: str):
             yield h
     ssd = stats.get("ssd")
     if isinstance(ssd, dict) and ssd.get("enabled"):
-        for key, name, kind, help in _SSD:
-            v = _num(ssd.get(key))
-            if v is not None:
-                yield (_gauge(name, help, labels, v) if kind == "gauge"
-                       else _counter(name, help, ["model_name"], labels, v))
+        for table, counter in ((_SSD_GAUGES, False), (_SSD_COUNTERS, True)):
+            for key, help in table.items():
+                v = _num(ssd.get(key))
+                if v is not None:
+                    name = f"ssd_cache_{key}"
+                    yield _counter(name, help, ["model_name"], labels, v) if counter else _gauge(name, help, labels, v)
     spec = stats.get("spec_decode")
     if isinstance(spec, dict) and spec.get("kind"):
         for key, name, help in _SPEC:

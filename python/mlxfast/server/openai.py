@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,7 +15,7 @@ from ..text.prompt import text_ids
 from . import chat
 from . import generation as gen
 from .chat import ChatRequest
-from .common import new_id, off_loop, parse_body, state_of
+from .common import new_id, off_loop, ready_body, state_of
 from .errors import APIError, bad_request
 from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallStart
 from .prompts import template_kwargs_for, tool_message_content
@@ -186,9 +187,7 @@ def _engine_error(ev) -> APIError:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state = state_of(request)
-    state.require_ready()
-    body = await parse_body(request, ChatCompletionRequest)
+    state, body = await ready_body(request, ChatCompletionRequest)
     model = state.resolve_model(body.model)
     prepared = await off_loop(_prepare_chat, state, body)
     ereq = prepared.request
@@ -343,12 +342,9 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
 
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    sse = _sse_choices(steps, n, step_chunks, usage_event if include_usage else None)
-    try:
+    async with aclosing(_sse_choices(steps, n, step_chunks, usage_event if include_usage else None)) as sse:
         async for c in sse:
             yield c
-    finally:
-        await sse.aclose()
 
 
 # ------------------------------------------------------------ completions
@@ -451,9 +447,7 @@ def _vllm_prompt_logprobs(tok, ids, scores, k: int) -> list | None:
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    state = state_of(request)
-    state.require_ready()
-    body = await parse_body(request, CompletionRequest)
+    state, body = await ready_body(request, CompletionRequest)
     n = body.n or 1
     best_of = body.best_of if body.best_of is not None else n
     if best_of < n:
@@ -589,12 +583,9 @@ async def _completion_stream(state, rid, prepared, steps, per_prompt, model, bod
             if echo[i]:
                 yield chunk(i, echo[i])
                 echo[i] = ""
-    sse = _sse_choices(steps, total, step_chunks, usage_event if include_usage else None)
-    try:
+    async with aclosing(_sse_choices(steps, total, step_chunks, usage_event if include_usage else None)) as sse:
         async for c in sse:
             yield c
-    finally:
-        await sse.aclose()
 
 
 @router.get("/v1/models")

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from . import chat
 from . import generation as gen
 from .chat import ChatRequest
-from .common import new_id, off_loop, parse_body, state_of
+from .common import new_id, off_loop, ready_body, state_of
 from .errors import APIError, bad_request
 from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from .openai import chat_logprobs
@@ -492,9 +492,7 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 @router.post("/v1/responses")
 async def create_response(request: Request):
-    state = state_of(request)
-    state.require_ready()
-    body = await parse_body(request, ResponsesRequest)
+    state, body = await ready_body(request, ResponsesRequest)
     model = state.resolve_model(body.model)
     history: list[dict] = []
     if body.previous_response_id is not None:
