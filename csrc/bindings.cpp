@@ -17,6 +17,7 @@
 #include "ops/paged_attention.h"
 #include "ops/kv_quant.h"
 #include "ops/sample.h"
+#include "ops/moe.h"
 #include "io/bind_io.h"
 
 namespace nb = nanobind;
@@ -100,6 +101,25 @@ NB_MODULE(_ext, m) {
         "block_tables"_a, "seq_idx"_a, "positions"_a, "signs"_a, "codebook"_a, nb::kw_only(),
         "scale"_a, "block_size"_a, "head_dim"_a, "k_bits"_a, "v_bits"_a, "group_size"_a,
         "v_turbo"_a, "window"_a = 0, "stream"_a = nb::none());
+
+  // mixture of experts (python/mlxfast/ops/moe.py)
+  m.def("moe_route", &mlxfast::moe_route, "logits"_a, "k"_a, nb::kw_only(), "softmax_first"_a,
+        "normalize"_a, "stream"_a = nb::none());
+  m.def("moe_experts",
+        [](const mx::array& x, const mx::array& inds, const mx::array& scores,
+           const mx::array& gw, std::optional<mx::array> gs, std::optional<mx::array> gb,
+           const mx::array& uw, std::optional<mx::array> us, std::optional<mx::array> ub,
+           const mx::array& dw, std::optional<mx::array> ds, std::optional<mx::array> db,
+           int group_size, int bits, std::optional<mx::array> norm, float eps,
+           std::optional<mx::array> residual, mx::StreamOrDevice s) {
+          return mlxfast::moe_experts(x, inds, scores, {gw, gs, gb}, {uw, us, ub}, {dw, ds, db},
+                                      group_size, bits, norm, eps, residual, s);
+        },
+        "x"_a, "inds"_a, "scores"_a, "gate_w"_a, "gate_scales"_a.none(), "gate_biases"_a.none(),
+        "up_w"_a, "up_scales"_a.none(), "up_biases"_a.none(), "down_w"_a,
+        "down_scales"_a.none(), "down_biases"_a.none(), nb::kw_only(), "group_size"_a = 64,
+        "bits"_a = 4, "norm"_a = nb::none(), "eps"_a = 0.f, "residual"_a = nb::none(),
+        "stream"_a = nb::none());
 
   mlxfast::bind_io(m);  // SSD-tier I/O: csrc/io/
 }

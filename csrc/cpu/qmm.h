@@ -75,6 +75,31 @@ void run_avx512(const Args& a);
 void run_neon(const Args& a);
 #endif
 
+// The GEMV path in pieces, for callers that fan out over several matrices
+// themselves (the MoE experts, csrc/ops/moe.cpp): gemv_prepare_<isa> turns
+// a.x's M rows into the layout its blocks read (xp: gemv_prep_floats(a)
+// floats, on the calling thread); gemv_block_<isa> then writes out rows
+// [0, M), columns [n0, n1) of a.out ([M][N] in a.x_dtype), n1 - n0 <=
+// kGemvBlockRows, on the calling thread (no fan-out). run_<isa>'s GEMV is
+// these two pieces, so the numbers are the same. Each ISA takes the bits its
+// GEMV specializes (AVX2 / AVX-512: 0, 4, 8; NEON: 4, 8) and any M; the
+// portable path takes every width and dense weights.
+constexpr int64_t kGemvBlockRows = 16;
+inline size_t gemv_prep_floats(const Args& a) { return static_cast<size_t>((a.M + 1) * a.K); }
+
+void gemv_prepare_portable(const Args& a, float* xp);
+void gemv_block_portable(const Args& a, const float* xp, int64_t n0, int64_t n1);
+#if defined(MLXFAST_X86)
+void gemv_prepare_avx2(const Args& a, float* xp);
+void gemv_block_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1);
+void gemv_prepare_avx512(const Args& a, float* xp);
+void gemv_block_avx512(const Args& a, const float* xp, int64_t n0, int64_t n1);
+#endif
+#if defined(MLXFAST_ARM64)
+void gemv_prepare_neon(const Args& a, float* xp);
+void gemv_block_neon(const Args& a, const float* xp, int64_t n0, int64_t n1);
+#endif
+
 namespace {
 
 inline float load_f32(const void* p, DType dt, int64_t i) {

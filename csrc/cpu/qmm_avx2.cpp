@@ -204,62 +204,71 @@ void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
   }
 }
 
-void gemv(const Args& a) {
-  const bool dense = a.bits == 0;
-  const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
-  // Activations as fp32: dense rows [M][K]; for quantized weights blocks of
-  // up to 4 rows interleaved per 32-value chunk, [K / 32][mm][32] (4 bits:
-  // per 16 values, evens then odds), so the tile addresses them as one
-  // pointer plus constants (see qmm_avx512.cpp).
-  float* xp = tl_x.get(static_cast<size_t>(M * K + K));
+// Activations as fp32 into xp ((M + 1) * K floats): dense rows [M][K]; for
+// quantized weights blocks of up to 4 rows interleaved per 32-value chunk,
+// [K / 32][mm][32] (4 bits: per 16 values, evens then odds), so the tile
+// addresses them as one pointer plus constants (see qmm_avx512.cpp).
+void prepare_x(const Args& a, float* xp) {
+  const int64_t M = a.M, K = a.K;
   float* tmp = xp + M * K;
-  if (dense) {
+  if (a.bits == 0) {
     for (int64_t m = 0; m < M; ++m) cvt_row(a.x, a.x_dtype, m * K, K, xp + m * K);
-  } else {
-    for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
-      const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
-      for (int64_t m = 0; m < mm; ++m) {
-        cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, tmp);
-        float* dst = xp + m0 * K + m * 32;
-        for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
-          if (a.bits == 4) {
-            for (int h = 0; h < 32; h += 16) {
-              for (int j = 0; j < 8; ++j) {
-                dst[h + j] = tmp[k + h + 2 * j];
-                dst[h + 8 + j] = tmp[k + h + 2 * j + 1];
-              }
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+    const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
+    for (int64_t m = 0; m < mm; ++m) {
+      cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, tmp);
+      float* dst = xp + m0 * K + m * 32;
+      for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
+        if (a.bits == 4) {
+          for (int h = 0; h < 32; h += 16) {
+            for (int j = 0; j < 8; ++j) {
+              dst[h + j] = tmp[k + h + 2 * j];
+              dst[h + 8 + j] = tmp[k + h + 2 * j + 1];
             }
-          } else {
-            std::memcpy(dst, tmp + k, sizeof(float) * 32);
           }
+        } else {
+          std::memcpy(dst, tmp + k, sizeof(float) * 32);
         }
       }
     }
   }
+}
+
+// Output rows [0, M), columns [n0, n1) (at most kGemvRowBlock of them).
+void gemv_unit(const Args& a, const float* xp, int64_t n0, int64_t n1) {
+  const bool dense = a.bits == 0;
+  const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
   GemvCtx c{&a, xp, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
+  float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
+  float* sc = sb;
+  float* bi = sb + kGemvRowBlock * G;
+  prefetch_group_params(a, n1, kGemvRowBlock, G);
+  if (!dense) {
+    cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
+    cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+    int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
+    if (a.bits == 4) {
+      gemv_dispatch<4>(c, m0, mm, n0, n1, sc, bi);
+    } else if (a.bits == 8) {
+      gemv_dispatch<8>(c, m0, mm, n0, n1, sc, bi);
+    } else {
+      gemv_dispatch<0>(c, m0, mm, n0, n1, sc, bi);
+    }
+  }
+}
+
+void gemv(const Args& a) {
+  float* xp = tl_x.get(gemv_prep_floats(a));
+  prepare_x(a, xp);
   const int64_t units = ceil_div(a.N, kGemvRowBlock);
-  auto body = [&c, &a, G, M, dense](int64_t u0, int64_t u1) {
-    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
+  auto body = [&a, xp](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      int64_t n0 = u * kGemvRowBlock;
-      int64_t n1 = n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N;
-      float* sc = sb;
-      float* bi = sb + kGemvRowBlock * G;
-      prefetch_group_params(a, n1, kGemvRowBlock, G);
-      if (!dense) {
-        cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
-        cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
-        int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
-        if (a.bits == 4) {
-          gemv_dispatch<4>(c, m0, mm, n0, n1, sc, bi);
-        } else if (a.bits == 8) {
-          gemv_dispatch<8>(c, m0, mm, n0, n1, sc, bi);
-        } else {
-          gemv_dispatch<0>(c, m0, mm, n0, n1, sc, bi);
-        }
-      }
+      const int64_t n0 = u * kGemvRowBlock;
+      gemv_unit(a, xp, n0, n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N);
     }
   };
   par_dynamic(units, units / (8 * pool_size()), body);
@@ -485,6 +494,12 @@ void gemm(const Args& a) {
 }
 
 } // namespace
+
+void gemv_prepare_avx2(const Args& a, float* xp) { prepare_x(a, xp); }
+
+void gemv_block_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1) {
+  gemv_unit(a, xp, n0, n1);
+}
 
 void run_avx2(const Args& a) {
   if (a.bits != 0 && a.bits != 4 && a.bits != 8) {

@@ -311,66 +311,75 @@ void gemv_dispatch_groups(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int6
   }
 }
 
-void gemv(const Args& a) {
-  const bool dense = a.bits == 0;
-  const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
-  // Prepare activations as fp32. Dense weights read rows [M][K]. Quantized
-  // weights read blocks of up to 8 rows interleaved per 32-value chunk,
-  // [K / 32][mm][32] (4 bits: each chunk permuted to even then odd values),
-  // so that the tile addresses every activation vector of a chunk as one
-  // pointer plus a constant: indexed (base + index) memory operands of the
-  // FMAs are split into two uops on Intel cores (8 rows of 3072 x 576,
-  // single thread: ~2.0 -> 2.05-2.2 G FMA/s, near this machine's noise).
-  float* xp = tl_x.get(static_cast<size_t>(M * K + (dense ? 0 : K)));
-  if (dense) {
+// Activations as fp32 into xp ((M + 1) * K floats). Dense weights read rows
+// [M][K]. Quantized weights read blocks of up to 8 rows interleaved per
+// 32-value chunk, [K / 32][mm][32] (4 bits: each chunk permuted to even then
+// odd values), so that the tile addresses every activation vector of a chunk
+// as one pointer plus a constant: indexed (base + index) memory operands of
+// the FMAs are split into two uops on Intel cores (8 rows of 3072 x 576,
+// single thread: ~2.0 -> 2.05-2.2 G FMA/s, near this machine's noise).
+void prepare_x(const Args& a, float* xp) {
+  const int64_t M = a.M, K = a.K;
+  if (a.bits == 0) {
     for (int64_t m = 0; m < M; ++m) cvt_row(a.x, a.x_dtype, m * K, K, xp + m * K);
-  } else {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
-                                           24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    float* row = xp + M * K;
-    for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
-      const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
-      for (int64_t m = 0; m < mm; ++m) {
-        cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, row);
-        float* dst = xp + m0 * K + m * 32;
-        for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
-          __m512 v0 = _mm512_loadu_ps(row + k), v1 = _mm512_loadu_ps(row + k + 16);
-          if (a.bits == 4) {
-            const __m512 e = _mm512_permutex2var_ps(v0, even, v1);
-            v1 = _mm512_permutex2var_ps(v0, odd, v1);
-            v0 = e;
-          }
-          _mm512_store_ps(dst, v0);
-          _mm512_store_ps(dst + 16, v1);
+    return;
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                         24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  float* row = xp + M * K;
+  for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+    const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
+    for (int64_t m = 0; m < mm; ++m) {
+      cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, row);
+      float* dst = xp + m0 * K + m * 32;
+      for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
+        __m512 v0 = _mm512_loadu_ps(row + k), v1 = _mm512_loadu_ps(row + k + 16);
+        if (a.bits == 4) {
+          const __m512 e = _mm512_permutex2var_ps(v0, even, v1);
+          v1 = _mm512_permutex2var_ps(v0, odd, v1);
+          v0 = e;
         }
+        _mm512_store_ps(dst, v0);
+        _mm512_store_ps(dst + 16, v1);
       }
     }
   }
+}
+
+// Output rows [0, M), columns [n0, n1) (at most kGemvRowBlock of them).
+void gemv_unit(const Args& a, const float* xp, int64_t n0, int64_t n1) {
+  const bool dense = a.bits == 0;
+  const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
   GemvCtx c{&a, xp, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
+  float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
+  float* sc = sb;
+  float* bi = sb + kGemvRowBlock * G;
+  prefetch_group_params(a, n1, kGemvRowBlock, G);
+  if (!dense) {
+    cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
+    cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+    int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
+    if (a.bits == 4) {
+      gemv_dispatch_groups<4>(c, m0, mm, n0, n1, sc, bi);
+    } else if (a.bits == 8) {
+      gemv_dispatch_groups<8>(c, m0, mm, n0, n1, sc, bi);
+    } else {
+      gemv_dispatch<0, 0>(c, m0, mm, n0, n1, sc, bi);
+    }
+  }
+}
+
+void gemv(const Args& a) {
+  float* xp = tl_x.get(gemv_prep_floats(a));
+  prepare_x(a, xp);
   const int64_t units = ceil_div(a.N, kGemvRowBlock);
-  auto body = [&c, &a, G, M, dense](int64_t u0, int64_t u1) {
-    float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
+  auto body = [&a, xp](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      int64_t n0 = u * kGemvRowBlock;
-      int64_t n1 = n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N;
-      float* sc = sb;
-      float* bi = sb + kGemvRowBlock * G;
-      prefetch_group_params(a, n1, kGemvRowBlock, G);
-      if (!dense) {
-        cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
-        cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
-        int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
-        if (a.bits == 4) {
-          gemv_dispatch_groups<4>(c, m0, mm, n0, n1, sc, bi);
-        } else if (a.bits == 8) {
-          gemv_dispatch_groups<8>(c, m0, mm, n0, n1, sc, bi);
-        } else {
-          gemv_dispatch<0, 0>(c, m0, mm, n0, n1, sc, bi);
-        }
-      }
+      const int64_t n0 = u * kGemvRowBlock;
+      gemv_unit(a, xp, n0, n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N);
     }
   };
   par_dynamic(units, units / (8 * pool_size()), body);
@@ -598,6 +607,12 @@ void gemm(const Args& a) {
 }
 
 } // namespace
+
+void gemv_prepare_avx512(const Args& a, float* xp) { prepare_x(a, xp); }
+
+void gemv_block_avx512(const Args& a, const float* xp, int64_t n0, int64_t n1) {
+  gemv_unit(a, xp, n0, n1);
+}
 
 void run_avx512(const Args& a) {
   if (a.bits != 0 && a.bits != 4 && a.bits != 8) {

@@ -59,6 +59,25 @@ inline float dot(const float* x, const float* w, int64_t K) {
 
 } // namespace
 
+void gemv_prepare_portable(const Args& a, float* xp) {
+  for (int64_t i = 0; i < a.M * a.K; ++i) xp[i] = load_f32(a.x, a.x_dtype, i);
+}
+
+// Output rows [0, M), columns [n0, n1): weight rows kRows at a time.
+void gemv_block_portable(const Args& a, const float* xf, int64_t n0, int64_t n1) {
+  const int64_t M = a.M, N = a.N, K = a.K;
+  float* wbuf = tl_w.get(static_cast<size_t>(kRows * K));
+  for (int64_t nb = n0; nb < n1; nb += kRows) {
+    int rows = static_cast<int>(n1 - nb < kRows ? n1 - nb : kRows);
+    for (int r = 0; r < rows; ++r) dequant_row(a, nb + r, wbuf + r * K);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int r = 0; r < rows; ++r) {
+        store_f32(a.out, a.x_dtype, m * N + nb + r, dot(xf + m * K, wbuf + r * K, K));
+      }
+    }
+  }
+}
+
 void run_portable(const Args& a) {
   const int64_t M = a.M, N = a.N, K = a.K;
   // Activations in fp32 once.
@@ -67,22 +86,12 @@ void run_portable(const Args& a) {
     xf = static_cast<const float*>(a.x);
   } else {
     float* buf = tl_x.get(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) buf[i] = load_f32(a.x, a.x_dtype, i);
+    gemv_prepare_portable(a, buf);
     xf = buf;
   }
   const int64_t blocks = ceil_div(N, kRows);
-  auto body = [&a, xf, M, N, K](int64_t b0, int64_t b1) {
-    float* wbuf = tl_w.get(static_cast<size_t>(kRows * K));
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      int64_t n0 = blk * kRows;
-      int rows = static_cast<int>(N - n0 < kRows ? N - n0 : kRows);
-      for (int r = 0; r < rows; ++r) dequant_row(a, n0 + r, wbuf + r * K);
-      for (int64_t m = 0; m < M; ++m) {
-        for (int r = 0; r < rows; ++r) {
-          store_f32(a.out, a.x_dtype, m * N + n0 + r, dot(xf + m * K, wbuf + r * K, K));
-        }
-      }
-    }
+  auto body = [&a, xf, N](int64_t b0, int64_t b1) {
+    gemv_block_portable(a, xf, b0 * kRows, b1 * kRows < N ? b1 * kRows : N);
   };
   par(blocks, 1, body);
 }

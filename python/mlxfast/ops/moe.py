@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .. import _ext
 from . import dispatch
+from .norm_rope import rms_norm, rms_norm_reference
 
 
 # --- the router -------------------------------------------------------------
@@ -87,11 +88,13 @@ def _gather_sort(x: mx.array, inds: mx.array):
 
 
 def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *,
-                          group_size: int = 64, bits: int = 4,
+                          group_size: int = 64, bits: int = 4, norm: tuple | None = None,
                           residual: mx.array | None = None) -> mx.array:
     """Pure-MLX :func:`moe_experts`: mlx-lm's ``SwitchGLU`` (``mx.gather_qmm``,
     or ``mx.gather_mm`` for dense weights; rows sorted by expert from 64
     choices on), then the weighted sum over the k choices in x's dtype."""
+    if norm is not None:
+        x = rms_norm_reference(x, *norm)
     lead, D = x.shape[:-1], x.shape[-1]
     k = inds.shape[-1]
     xe = mx.expand_dims(x.reshape(-1, D), (-2, -3))  # [T, 1, 1, D]
@@ -127,8 +130,8 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, u
 
 
 def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *,
-                group_size: int = 64, bits: int = 4, residual: mx.array | None = None,
-                stream=None) -> mx.array:
+                group_size: int = 64, bits: int = 4, norm: tuple | None = None,
+                residual: mx.array | None = None, stream=None) -> mx.array:
     """The experts of a MoE layer for every token: ``residual + sum_j
     scores[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with
     ``e = inds[t, j]``.
@@ -138,19 +141,28 @@ def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *
     ``[E, I, D * bits / 32]`` uint32 and scales/biases ``[E, I, D /
     group_size]`` (MLX affine quantization), or a dense ``[E, I, D]``
     array; ``down`` likewise ``[E, D, I ...]``. Returns [..., D] in x's
-    dtype; ``residual`` (x's shape and dtype) is added last.
+    dtype. Fused pieces, as the projections take them: ``norm=(weight,
+    eps)`` applies ``rms_norm`` to x first (the result then has the promoted
+    dtype of x and the weight), ``residual`` (the result's shape and dtype)
+    is added last. Expert ids outside ``[0, E)`` add nothing (the reference
+    would fail on them).
 
     On the CPU this is one native primitive (when the extension has it):
     tokens are grouped by expert, each active expert's weights read once for
     all its tokens, SiLU(gate) * up fused, the weighted sum over k in float32
     in choice order. Elsewhere, the reference.
     """
+    if norm is not None and not (isinstance(norm, tuple) and len(norm) == 2):
+        raise ValueError("[mlxfast.moe_experts] norm must be a (weight, eps) pair.")
     if dispatch.on_cpu(stream) and hasattr(_ext, "moe_experts"):
         gw, gs, gb = _weights(gate)
         uw, us, ub = _weights(up)
         dw, ds, db = _weights(down)
+        kw = dict(norm=norm[0], eps=norm[1]) if norm is not None else {}
         return _ext.moe_experts(x, inds, scores, gw, gs, gb, uw, us, ub, dw, ds, db,
                                 group_size=group_size, bits=bits if gs is not None else 0,
-                                residual=residual, stream=stream)
+                                residual=residual, stream=stream, **kw)
+    if norm is not None:
+        x = rms_norm(x, *norm, stream=stream)
     return moe_experts_reference(x, inds, scores, gate, up, down, group_size=group_size, bits=bits,
                                  residual=residual)
