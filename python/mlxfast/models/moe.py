@@ -109,7 +109,8 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 class SwitchGLU(nn.Module):
-    """Every expert's ``down(silu(gate(x)) * up(x))``, stacked."""
+    """The experts' stacked gate, up and down projections (SparseMoE applies
+    them with ``ops.moe_experts``)."""
 
     def __init__(self, dims: int, hidden: int, num_experts: int):
         super().__init__()
@@ -117,22 +118,21 @@ class SwitchGLU(nn.Module):
         self.up_proj = SwitchLinear(dims, hidden, num_experts)
         self.down_proj = SwitchLinear(hidden, dims, num_experts)
 
-    def __call__(self, x: mx.array, inds: mx.array, scores: mx.array, *,
-                 residual: mx.array | None = None) -> mx.array:
-        gate, up, down = self["gate_proj"], self["up_proj"], self["down_proj"]
-        kinds = {type(gate), type(up), type(down)}
-        if len(kinds) != 1 or (isinstance(gate, QuantizedSwitchLinear) and len(
-                {(p.bits, p.group_size) for p in (gate, up, down)}) != 1):
+    def quantization(self) -> tuple[int, int]:
+        """(group_size, bits) shared by the three projections (bits 0: dense)."""
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        kinds = {(type(p), getattr(p, "group_size", 64), getattr(p, "bits", 0)) for p in projs}
+        if len(kinds) != 1:
             raise ValueError("the experts' gate, up and down projections must share their "
                              "quantization (kind, bits, group size)")
-        q = isinstance(gate, QuantizedSwitchLinear)
-        return ops.moe_experts(x, inds, scores, gate.params(), up.params(), down.params(),
-                                   group_size=gate.group_size if q else 64,
-                                   bits=gate.bits if q else 0, residual=residual)
+        _, group_size, bits = kinds.pop()
+        return group_size, bits
 
 
 class SparseMoE(nn.Module):
-    """Router + top-k + experts: ``residual + sum_j w_j expert_j(norm(x))``."""
+    """Router + top-k + experts: ``residual + sum_j w_j expert_j(norm(x))``,
+    three primitives on the CPU: the router's matmul (the norm fused), the
+    top-k, and the experts (the norm and the residual fused)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -141,17 +141,23 @@ class SparseMoE(nn.Module):
         self.normalize = args.norm_topk_prob
         self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
+        self.group_size = self.bits = None  # read by fuse()
 
     def fuse(self) -> None:
-        pass
+        """Read once, after loading, the quantization the experts share."""
+        self.group_size, self.bits = self.switch_mlp.quantization()
 
     def __call__(self, x: mx.array, *, norm=None, residual: mx.array | None = None) -> mx.array:
-        if norm is not None:
-            x = norm(x)
-        inds, scores = ops.moe_route(self["gate"](x), self.top_k,
-                                         softmax_first=self.softmax_first,
-                                         normalize=self.normalize)
-        return self["switch_mlp"](x, inds, scores, residual=residual)
+        norm_args = None if norm is None else (norm["weight"], norm.eps)
+        logits = self["gate"](x, norm=norm)
+        inds, scores = ops.moe_route(logits, self.top_k, softmax_first=self.softmax_first,
+                                     normalize=self.normalize)
+        if self.bits is None:
+            self.fuse()
+        sw = self["switch_mlp"]
+        return ops.moe_experts(x, inds, scores, sw["gate_proj"].params(), sw["up_proj"].params(),
+                               sw["down_proj"].params(), group_size=self.group_size, bits=self.bits,
+                               norm=norm_args, residual=residual)
 
 
 class Block(nn.Module):
