@@ -2,6 +2,14 @@
 
     .venv/bin/python bench/bench_generate.py [--decode 256] [--prefill 512 2048] [--rounds 3]
         [--model FILE.gguf --no-mlx-lm]   # another GGUF, e.g. Gemma 3 270M
+        [--shape 1b|8b --qtype q4_0|q8_0 --no-mlx-lm]   # a random-weight file of that shape
+
+``--shape`` writes (once, into ~/.cache/mlxfast-bench) a random-weight llama
+GGUF with the shapes of Llama-3.2-1B or Llama-3.1-8B (bench/sized_gguf.py) and
+also reports decode as a share of this machine's limit: the weight bytes a
+decode step reads (per engine, in its own format) times tokens/s, over the
+copy bandwidth measured in the same run (2 threads, read + write bytes, as
+STREAM counts them).
 
 mlx-lm loads the default model converted by ``mlxfast convert``; both run on
 the same process and machine, and the ratio is what to read (these machines
@@ -29,6 +37,44 @@ def _prompt_ids(tok, n: int) -> list[int]:
     return ids
 
 
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, threads: int = 2, repeats: int = 5) -> float:
+    """Best of ``repeats``: read + write bytes per second of a parallel numpy copy."""
+    import threading
+
+    import numpy as np
+
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    parts = np.array_split(np.arange(src.size), threads)
+    bounds = [(p[0], p[-1] + 1) for p in parts]
+    best = 0.0
+    for _ in range(repeats):
+        ts = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in bounds]
+        t0 = time.perf_counter()
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        best = max(best, 2 * nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def mlxfast_bytes_per_token(model) -> int:
+    """Weight bytes a decode step reads in mlxfast's format: every parameter,
+    but only one row of an untied embedding."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    params = dict(tree_flatten(model.parameters()))
+    tied = not any(k.startswith("lm_head.") for k in params)
+    for name, p in params.items():
+        if name.startswith("model.embed_tokens.") and not tied:
+            total += p.nbytes // p.shape[0]
+        else:
+            total += p.nbytes
+    return total
+
+
 def bench_mlxfast(path, n_decode: int, prefills: list[int]):
     """Load once; return a function that measures one round."""
     import mlxfast
@@ -37,9 +83,10 @@ def bench_mlxfast(path, n_decode: int, prefills: list[int]):
 
     model, tok = mlxfast.load(path)
     list(stream_generate(model, tok, _prompt_ids(tok, 32), max_tokens=8))  # warm-up
+    nbytes = mlxfast_bytes_per_token(model)
 
     def run() -> dict:
-        out = {}
+        out = {"bytes_per_token": nbytes}
         ids = _prompt_ids(tok, 32)
         first = None
         n = 0
@@ -145,12 +192,19 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: the built-in model)")
     ap.add_argument("--no-mlx-lm", action="store_true",
                     help="only mlxfast and llama.cpp (mlx-lm takes minutes on Linux CPU)")
+    ap.add_argument("--shape", choices=["1b", "8b"], default=None,
+                    help="a random-weight llama GGUF of this model shape (bench/sized_gguf.py)")
+    ap.add_argument("--qtype", choices=["q4_0", "q8_0"], default="q4_0")
     args = ap.parse_args()
 
     from mlxfast.convert import convert_gguf
     from mlxfast.models.loader import default_model_path
 
     gguf = args.model or default_model_path()
+    if args.shape and not args.one_round:
+        import sized_gguf
+
+        gguf = sized_gguf.cached(args.shape, args.qtype)
     keys = ["decode_tok_s"] + [f"prefill_{p}_tok_s" for p in args.prefill]
     if args.one_round:  # child: one engine, one round, JSON on the last line
         run = (bench_mlxfast(gguf, args.decode, args.prefill) if args.one_round == "mlxfast"
@@ -162,6 +216,7 @@ def main() -> None:
     # this shared machine lands on both; the ratio reported is the median of
     # the per-round ratios.
     rounds = {"mlxfast": [], "llama.cpp": []}
+    bandwidth = copy_bandwidth_gbs()
     for _ in range(args.rounds):
         for name in rounds:
             cmd = [sys.executable, __file__, "--one-round", name, "--decode", str(args.decode),
@@ -171,6 +226,7 @@ def main() -> None:
             if res is not None:
                 rounds[name].append(res)
     rounds = {name: rs for name, rs in rounds.items() if rs}
+    bandwidth = max(bandwidth, copy_bandwidth_gbs())  # the machine's best in this run
     rows = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in rounds.items()}
     if not args.no_mlx_lm:
         with tempfile.TemporaryDirectory() as d:
@@ -189,6 +245,17 @@ def main() -> None:
         print(f"{'/ llama.cpp':<12}" + "".join(f"{statistics.median(per[k]):>20.2f}" for k in keys))
         print("per-round decode ratio vs llama.cpp: "
               + ", ".join(f"{v:.2f}" for v in per["decode_tok_s"]))
+    if args.shape:
+        import sized_gguf
+
+        per_token = {"mlxfast": rounds["mlxfast"][0]["bytes_per_token"],
+                     "llama.cpp": sized_gguf.bytes_read_per_token(args.shape, args.qtype)}
+        print(f"copy bandwidth (2 threads, read + write): {bandwidth:.1f} GB/s")
+        for name in rounds:
+            need = per_token[name] / 1e9
+            got = rows[name]["decode_tok_s"] * need
+            print(f"{name:<12} reads {need:.3f} GB/token: {got:.1f} GB/s = {got / bandwidth:.0%} of the "
+                  f"copy bandwidth (limit {bandwidth / need:.1f} tok/s)")
 
 if __name__ == "__main__":
     main()
