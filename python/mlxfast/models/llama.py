@@ -206,6 +206,9 @@ class Model(nn.Module):
     block = Block
     embed_scale: float | None = None
     logit_softcap: float | None = None
+    # False on the ranks of a tensor-parallel group other than 0 (models/shard.py):
+    # the forward ends at the last hidden state, rank 0 computes the logits.
+    compute_head: bool = True
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -231,6 +234,8 @@ class Model(nn.Module):
         positions = token_positions(cache.offsets, *tokens.shape[:2])
         for layer in body["layers"]:
             h = layer(h, cache, positions)
+        if not self.compute_head:
+            return h
         if logit_rows is not None:
             h = h.reshape(-1, h.shape[-1])[logit_rows]
         # The final norm runs inside the head's matmul (after the row gather).
