@@ -118,3 +118,100 @@ def hf_weights_np(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
             [weights.pop(f"{prefix}.{block}.experts.{e}.{name}.{kind}") for e in range(n)])
     weights.update(stacked)
     return config, weights
+
+
+# ---------------------------------------------------------------- GGUF files
+
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "gate": "ffn_gate_inp",
+    "switch_mlp.gate_proj": "ffn_gate_exps", "switch_mlp.up_proj": "ffn_up_exps",
+    "switch_mlp.down_proj": "ffn_down_exps",
+}
+_GGUF_PER_EXPERT = {"switch_mlp.gate_proj": "ffn_gate", "switch_mlp.up_proj": "ffn_up",
+                    "switch_mlp.down_proj": "ffn_down"}
+
+
+def gguf_arch(config: dict) -> str:
+    return "qwen3moe" if config["model_type"] == "qwen3_moe" else "llama"
+
+
+def write_moe_gguf(path: Path, config: dict, weights: dict[str, np.ndarray], qtype, *,
+                   per_expert: bool = False, vocab=None) -> dict[str, np.ndarray]:
+    """Write a tiny MoE model as llama.cpp's converter would: arch qwen3moe,
+    or llama with experts (Mixtral; q/k rows permuted); the experts as
+    stacked ``ffn_*_exps`` tensors [E, out, in] (``per_expert``: Mixtral's
+    older ``ffn_*.E`` tensors); every 2-D and 3-D weight but the router in
+    ``qtype`` (the gguf package quantizes). ``vocab(writer)`` adds a
+    vocabulary. Returns the fp32 values each weight holds, in HF layout."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
+    from tiny_gguf import llama_cpp_permute, roundtrip
+
+    arch = gguf_arch(config)
+    block = "mlp" if arch == "qwen3moe" else "block_sparse_moe"
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    experts = config.get("num_experts") or config["num_local_experts"]
+    w = GGUFWriter(str(path), arch)
+    if vocab is not None:
+        vocab(w)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    w.add_vocab_size(config["vocab_size"])
+    kept = {}
+
+    def add(name, arr, quantize):
+        if quantize and qtype not in (Q.F32, Q.F16):
+            from gguf import quants
+            w.add_tensor(name, quants.quantize(arr, qtype), raw_dtype=qtype)
+        elif quantize and qtype == Q.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, arr.astype(np.float32))
+
+    for hf, arr in weights.items():
+        arr = np.asarray(arr, np.float32)
+        quantize = arr.ndim >= 2 and not hf.endswith(f"{block}.gate.weight")
+        kept[hf] = roundtrip(arr.reshape(-1, arr.shape[-1]), qtype).reshape(arr.shape) if quantize else arr
+        if hf == "model.embed_tokens.weight":
+            add("token_embd.weight", arr, quantize)
+            continue
+        if hf == "model.norm.weight":
+            add("output_norm.weight", arr, False)
+            continue
+        if hf == "lm_head.weight":
+            add("output.weight", arr, quantize)
+            continue
+        parts = hf.split(".")
+        layer, module = parts[2], ".".join(parts[3:-1])
+        module = module[len(block) + 1:] if module.startswith(block + ".") else module
+        if arch == "llama" and module == "self_attn.q_proj":
+            arr = llama_cpp_permute(arr, n_heads)
+        elif arch == "llama" and module == "self_attn.k_proj":
+            arr = llama_cpp_permute(arr, n_kv)
+        if per_expert and module in _GGUF_PER_EXPERT:
+            for e in range(arr.shape[0]):
+                add(f"blk.{layer}.{_GGUF_PER_EXPERT[module]}.{e}.weight", arr[e], quantize)
+            continue
+        add(f"blk.{layer}.{_GGUF_LAYER[module]}.weight", arr, quantize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return kept

@@ -50,8 +50,17 @@ _PHI3_LAYER_NAMES = {
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Mixture of experts: the router and the experts' stacked [E, out, in]
+# tensors -> the MoE block (models/moe.py; named mlp, Mixtral's block_sparse_moe).
+_MOE_NAMES = {"ffn_gate_inp": "gate", "ffn_gate_exps": "switch_mlp.gate_proj",
+              "ffn_up_exps": "switch_mlp.up_proj", "ffn_down_exps": "switch_mlp.down_proj"}
+_QWEN3MOE_LAYER_NAMES = {**_LAYER_NAMES, **{k: f"mlp.{v}" for k, v in _MOE_NAMES.items()}}
+_MIXTRAL_LAYER_NAMES = {**_LAYER_NAMES, **{k: f"block_sparse_moe.{v}" for k, v in _MOE_NAMES.items()}}
+# Older Mixtral files: one tensor per expert, blk.N.ffn_{gate,down,up}.E (HF's w1, w2, w3).
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|down|up)\.(\d+)\.(weight|scales|biases)$")
+_MIXTRAL_EXPERT = {"gate": "w1", "down": "w2", "up": "w3"}
 _LAYER_NAMES_OF = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES,
-                   "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES}
+                   "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES, "qwen3moe": _QWEN3MOE_LAYER_NAMES}
 # Architectures that are llama's layers with flags (qwen2: q/k/v biases; qwen3: q/k norms).
 _LLAMA_LIKE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _TOP_NAMES = {
@@ -111,7 +120,7 @@ def gguf_config(meta: dict) -> dict:
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length") or 0),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
         "head_dim": int(head_dim),
@@ -133,8 +142,29 @@ def gguf_config(meta: dict) -> dict:
         config.update(_gemma3_config(get, config))
     elif arch == "phi3":
         config.update(_phi3_config(get, config))
+    elif arch == "qwen3moe" or (arch == "llama" and int(get("expert_count", 0) or 0) > 0):
+        config.update(_moe_config(get, arch))
     config["gguf_architecture"] = arch
     return config
+
+
+def _moe_config(get, arch: str) -> dict:
+    """qwen3moe, and llama with experts (Mixtral). llama.cpp renormalises the
+    top-k weights of both (Mixtral's softmax over its k is that already) and
+    makes every layer of them a MoE layer."""
+    experts, used = int(get("expert_count", 0) or 0), int(get("expert_used_count", 0) or 0)
+    if experts < 1 or not 1 <= used <= experts:
+        raise ValueError(f"{arch}: expert_count {experts} and expert_used_count {used} "
+                         "must satisfy 1 <= used <= count")
+    if arch == "llama":
+        return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "num_local_experts": experts, "num_experts_per_tok": used}
+    ff = get("expert_feed_forward_length")
+    if ff is None:
+        raise ValueError("qwen3moe: qwen3moe.expert_feed_forward_length is missing")
+    return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": int(ff),
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _gemma3_config(get, config: dict) -> dict:
@@ -230,8 +260,14 @@ def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:
     """
     out = {}
     arch = config.get("gguf_architecture", "llama")
-    layer_names = _LAYER_NAMES_OF[arch]
+    mixtral = config.get("model_type") == "mixtral"
+    layer_names = _MIXTRAL_LAYER_NAMES if mixtral else _LAYER_NAMES_OF[arch]
     for name, arr in tensors.items():
+        m = _EXPERT_RE.match(name) if mixtral else None
+        if m:  # one tensor per expert: the model's sanitize stacks them
+            layer, proj, e, kind = m.groups()
+            out[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[proj]}.{kind}"] = arr
+            continue
         m = _LAYER_RE.match(name)
         if m:
             layer, part, kind = m.groups()

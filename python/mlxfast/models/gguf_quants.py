@@ -34,12 +34,14 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _affine(codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, shape) -> dict:
-    rows = int(np.prod(shape[:-1]))
+    """MLX affine arrays with the tensor's leading axes (3-D for stacked experts)."""
+    lead = tuple(int(d) for d in shape[:-1])
+    rows = int(np.prod(lead))
     k = shape[-1]
     return {
-        "weight": mx.array(_pack(codes.reshape(rows, k).astype(np.uint8), bits)),
-        "scales": mx.array(scales.reshape(rows, k // GROUP).astype(np.float16)),
-        "biases": mx.array(biases.reshape(rows, k // GROUP).astype(np.float16)),
+        "weight": mx.array(_pack(codes.reshape(rows, k).astype(np.uint8), bits).reshape(*lead, -1)),
+        "scales": mx.array(scales.reshape(*lead, k // GROUP).astype(np.float16)),
+        "biases": mx.array(biases.reshape(*lead, k // GROUP).astype(np.float16)),
     }
 
 

@@ -15,7 +15,7 @@ MODEL_TYPES = {
     "mixtral": moe,
 }
 
-GGUF_ARCHITECTURES = ("llama", "gemma3", "phi3", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe")
 
 
 def model_module(model_type: str | None):
