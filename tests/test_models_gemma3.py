@@ -221,6 +221,20 @@ def test_served_completion_and_chat(gemma_server, gemma):
     assert s.choices[0].finish_reason == "stop"
     assert "<end_of_turn>" not in s.choices[0].message.content and s.usage.completion_tokens <= 16
 
+    # seeded sampling: the library draws the server's tokens (chat and raw text)
+    kw = dict(temperature=1.0, top_p=0.9, seed=5, max_tokens=16, extra_body={"top_k": 64, "min_p": 0.01})
+    c = client.chat.completions.create(model="gemma", messages=shots, **kw)
+    r = client.completions.create(model="gemma", prompt="Once upon a time", **kw)
+    lib = dict(temp=1.0, top_p=0.9, top_k=64, min_p=0.01, seed=5, max_tokens=16)
+    own = tok.chat_template
+    tok.chat_template = GEMMA_TEMPLATE  # as the server's (its turn end a stop too)
+    try:
+        assert c.choices[0].message.content == generate(model, tok, shots, **lib)
+        assert r.choices[0].text == generate(model, tok, "Once upon a time", chat=False, **lib)
+        assert r.choices[0].text != generate(model, tok, "Once upon a time", chat=False, **{**lib, "seed": 6})
+    finally:
+        tok.chat_template = own
+
 
 def test_gguf_config_reads_a_per_layer_sliding_pattern():
     """Newer llama.cpp files store gemma3.attention.sliding_window_pattern as one
