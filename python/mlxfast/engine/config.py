@@ -33,6 +33,9 @@ class EngineConfig:
     ngram_min: int = 1  # prompt lookup: the shortest trailing n-gram looked up
     ngram_max: int = 4  # ... and the longest (tried first)
     draft_model: object = None  # spec_kind "model": a loaded model sharing the tokenizer (engine/draft.py)
+    # Tensor parallelism: rank 0's engine.distributed.StepChannel (the model is
+    # sharded, models/shard.py); None in one process
+    tp_channel: object = None
     # Attention path: None = native kernel where available, else MLX reference
     native_attention: bool | None = None
     # SSD tier of the prefix cache (kv/ssd.py); None = off

@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import os
 import threading
 import time
 import traceback
@@ -174,6 +175,11 @@ class Engine:
         self._eos = frozenset(int(t) for t in eos)
         self.pool: KVPool | None = None
         self.runner: Runner | None = None
+        # Tensor parallelism (engine/distributed.py): rank 0's channel to the
+        # other ranks, or None in one process.
+        self.channel = cfg.tp_channel
+        self.on_death = None  # called (engine thread) with the error once the engine has died
+        self.ranks: list[dict] = []  # per rank: parameter and KV bytes
         # KV outside the pool (kv/connector.py): the SSD tier, opened on the
         # engine thread, or nothing.
         self.connector: KVConnector = NullConnector()
@@ -278,6 +284,9 @@ class Engine:
             "kv_groups": self._group_stats(),
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
+            "tensor_parallel_size": 1 if self.channel is None else self.channel.size,
+            "ranks": self.ranks,  # per rank: parameter and KV pool bytes
+            **({} if self.channel is None else {"tensor_parallel": self.channel.stats()}),
             "spec_decode": {"kind": self.config.spec_kind, "num_drafts": self.spec_drafts,
                             "num_draft_tokens": self.spec_draft_tokens,
                             "num_accepted_tokens": self.spec_accepted_tokens},
@@ -294,10 +303,21 @@ class Engine:
 
     # -- engine thread -------------------------------------------------------
     def _main(self) -> None:
+        cfg, bs = self.config, self.block_size
         try:
             self.pool = KVPool(self.model.kv_layers, self.num_blocks, self.block_size, self.kv_dtype,
                                kv_quant=self.kv_spec, release=not self.config.ssd_cache_dir)
-            self.runner = Runner(self.model, self.pool, native=self.config.native_attention)
+            from ..models.shard import param_bytes
+
+            own = (param_bytes(self.model), self.pool.nbytes)
+            if self.channel is not None:  # every rank builds its pool of its heads' KV
+                self.ranks = self.channel.setup(
+                    {"num_blocks": self.num_blocks, "block_size": bs, "kv_dtype": str(self.kv_dtype).split(".")[-1],
+                     "kv_quant": cfg.kv_quant, "kv_group_size": cfg.kv_group_size,
+                     "release": not cfg.ssd_cache_dir, "native": cfg.native_attention}, own)
+            else:
+                self.ranks = [{"rank": 0, "param_bytes": own[0], "kv_bytes": own[1], "pid": os.getpid()}]
+            self.runner = Runner(self.model, self.pool, native=cfg.native_attention, channel=self.channel)
             if self.config.spec_kind:
                 draft = None
                 if self.config.draft_model is not None:
@@ -320,13 +340,17 @@ class Engine:
             return
         self._ready.set()
         connector = self.connector
+        channel = self.channel
         try:
             while True:
                 with self._cond:
                     while not (self._incoming or self._aborts or self._stopping
                                or self.scheduler.has_work() or connector.has_work()):
-                        if not self._cond.wait(connector.wait_timeout()):
-                            break  # timed out: the connector has something due
+                        timeout = connector.wait_timeout()
+                        if channel is not None:  # idle ranks hear from rank 0 every heartbeat
+                            timeout = min(timeout or channel.heartbeat_s, channel.heartbeat_s)
+                        if not self._cond.wait(timeout):
+                            break  # timed out: the connector has something due (or a heartbeat)
                     incoming = list(self._incoming)
                     self._incoming.clear()
                     aborts = list(self._aborts)
@@ -342,10 +366,17 @@ class Engine:
                     connector.request_flush()  # write what is cached; shutdown() waits
                     connector.service(busy=False)
                     self._flush()
+                    if channel is not None:
+                        try:
+                            channel.stop()
+                        except RuntimeError as e:  # a rank already gone: we stop anyway
+                            log.warning("tensor parallel: could not stop every rank: %s", e)
                     return
                 connector.service(busy=self.scheduler.has_work())
                 if self.scheduler.has_work():
                     self._step()
+                elif channel is not None:
+                    channel.ping_if_due()
                 self._flush()
         except BaseException as e:  # noqa: BLE001
             self._die(e)
@@ -366,6 +397,8 @@ class Engine:
                                          prompt_tokens=len(st.request.prompt_ids)))
         self._flush()
         self._states.clear()
+        if self.on_death is not None:
+            self.on_death(self.error)
 
     def _flush(self) -> None:
         for rid, st in list(self._states.items()):

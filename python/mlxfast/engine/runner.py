@@ -32,10 +32,13 @@ class StepLogits:
 
 
 class Runner:
-    def __init__(self, model, pool: KVPool, native: bool | None = None):
+    def __init__(self, model, pool: KVPool, native: bool | None = None, channel=None):
         self.model = model
         self.pool = pool
         self.native = native
+        # Tensor parallelism (engine/distributed.py): the step's inputs go to
+        # the other ranks, which run the same call on their shards.
+        self.channel = channel
 
     def run(self, plan: StepPlan) -> StepLogits:
         """The step's logits (lazy). With none to compute, the KV writes are evaluated here."""
@@ -60,12 +63,30 @@ class Runner:
                 logit_rows += range(first, len(tokens))
         ctx = PagedContext(self.pool, seqs, native=self.native)
         x = mx.array(np.array(tokens, np.int32)[:, None])  # [T, 1], no Reshape node
-        if not logit_rows:
+        if self.channel is not None:
+            logits = self._run_parallel(tokens, seqs, x, ctx, logit_rows)
+        elif not logit_rows:
             self.model(x, ctx, logit_rows=mx.array([0], dtype=mx.int32))
             mx.eval(self.pool.arrays())
+        else:
+            logits = self.model(x, ctx, logit_rows=mx.array(logit_rows, dtype=mx.int32))
+        if not logit_rows:
             return StepLogits(None)
-        logits = self.model(x, ctx, logit_rows=mx.array(logit_rows, dtype=mx.int32))
         if not scored:
             return StepLogits(logits)
         sample = logits[mx.array(sample_at, dtype=mx.int32)] if sample_at else None
         return StepLogits(sample, [(r, logits[i:i + m]) for r, i, m in scored])
+
+    def _run_parallel(self, tokens, seqs, x, ctx, logit_rows):
+        """The step on every rank: its inputs broadcast, then the model call
+        evaluated here, so that every rank runs all of its all_sums (the
+        logits depend on every layer) and a lost rank fails the model call."""
+        ch = self.channel
+        with ch.guard():
+            try:
+                ch.send_step(tokens, seqs)
+                logits = self.model(x, ctx, logit_rows=mx.array(logit_rows or [0], dtype=mx.int32))
+                mx.eval(logits, self.pool.arrays())
+            except RuntimeError as e:  # the backend's "connection to a peer was lost"
+                raise RuntimeError(f"the tensor-parallel step failed (is a rank gone?): {e}") from e
+        return logits

@@ -1,0 +1,425 @@
+"""Tensor-parallel serving over ``mx.distributed``: one scheduler on rank 0,
+the same model step on every rank.
+
+Rank 0 runs the HTTP server, the scheduler, the sampler and everything else
+of the engine, as one process would. Each step, after the scheduler has
+planned it, the runner broadcasts what the model call needs — token ids,
+each sequence's first position and token count, its block tables — as int32
+arrays through the :class:`StepChannel` (an ``all_sum`` of a buffer that only
+rank 0 fills: a broadcast out of the collective every backend has). The other
+ranks run :class:`Follower`: receive, build the same ``PagedContext`` over
+their own KV pool (which holds only their heads), run the same model call on
+their shard of the weights (models/shard.py), taking part in its
+``all_sum``s, and wait for the next message. Only rank 0 computes logits and
+samples. Messages: SETUP (the KV pool's configuration, answered by each
+rank's parameter and KV bytes), STEP, PING (rank 0 idle: proves every rank is
+alive; a lost peer makes the ring backend's next collective fail, so a dead
+rank is noticed within about a heartbeat), STOP.
+
+Faults: the ring backend fails a collective with "connection to a peer was
+lost" about a second after a peer's process ends (measured), so a dead
+follower fails rank 0's next step or heartbeat (the engine dies: requests in
+flight get an error, /health turns 503, serve.py exits non-zero), and a dead
+rank 0 fails every follower's receive (it exits non-zero). A peer that never
+connects would make rank 0 wait forever in ``init``, and a peer that hangs
+alive would block a collective forever: ``init_group`` and ``StepChannel.guard`` end
+the process with a clear error after a timeout instead.
+
+``launch_local`` starts N ranks on this machine with the environment
+``mlx.launch --backend ring`` gives them (``MLX_RANK``, ``MLX_HOSTFILE`` with
+loopback ports), supervising them itself: mlx.launch exits 0 whatever its
+ranks do and does not pass SIGTERM on, and a server's exit status and
+graceful stop must survive the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("mlxfast.tp")
+
+SETUP, STEP, PING, STOP = 1, 2, 3, 4
+_KINDS = {SETUP: "setup", STEP: "step", PING: "ping", STOP: "stop"}
+CAPACITY = 4096  # int32 per message's first collective (16 KiB costs what 64 bytes do: ~70 us)
+_HEAD = 2  # kind, payload length
+
+LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_WORLD_SIZE")
+
+
+def launched() -> bool:
+    """Whether this process was started by a distributed launcher (mlx.launch, mpirun)."""
+    return any(v in os.environ for v in LAUNCH_VARS)
+
+
+def launch_rank() -> int:
+    """This process's rank as its launcher set it (0 when not launched)."""
+    for v in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(v, "").isdigit():
+            return int(os.environ[v])
+    return 0
+
+
+def init_group(timeout_s: float, backend: str | None = None):
+    """The world group of this launch. Rank 0 of the ring backend waits in
+    ``accept`` without bound for peers that never come: past ``timeout_s``
+    the process ends with a clear error."""
+    backend = backend or os.environ.get("MLXFAST_TP_BACKEND", "any")
+    done = threading.Event()
+    rank = os.environ.get("MLX_RANK", "?")
+
+    def expire():
+        if not done.wait(timeout_s):
+            print(f"mlxfast: error: rank {rank}: the other tensor-parallel ranks did not connect within "
+                  f"{timeout_s:.0f} s (backend {backend}; hostfile {os.environ.get('MLX_HOSTFILE', '-')}); "
+                  "is every rank started, with the same hostfile?", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=expire, name="mlxfast-tp-connect", daemon=True).start()
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as e:
+        done.set()
+        raise ConnectionError(f"rank {rank}: cannot join the tensor-parallel group: {e}") from None
+    done.set()
+    return group
+
+
+def gather_rows(group, row) -> np.ndarray:
+    """Every rank's ``row`` (int64), as a [size, len(row)] table on every rank."""
+    table = np.zeros((group.size(), len(row)), np.int64)
+    table[group.rank()] = row
+    out = mx.distributed.all_sum(mx.array(table), group=group, stream=mx.cpu)
+    mx.eval(out)
+    return np.array(out)
+
+
+def model_fingerprint(model) -> int:
+    """A 63-bit fingerprint of the loaded (unsharded) weights and config."""
+    from ..kv.ssd import weights_fingerprint
+
+    h = hashlib.blake2b(digest_size=8)
+    h.update(weights_fingerprint(model).encode())
+    h.update(repr(model.args).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def check_same_model(group, model) -> None:
+    """Refuse to go on unless every rank loaded the same weights (on every rank)."""
+    fp = model_fingerprint(model)
+    table = gather_rows(group, [fp])[:, 0]
+    differ = [r for r in range(group.size()) if table[r] != table[0]]
+    if differ:
+        raise RuntimeError(
+            f"the ranks loaded different models: rank(s) {', '.join(map(str, differ))} "
+            f"differ from rank 0 (weight fingerprints "
+            + ", ".join(f"rank {r}: {int(v):016x}" for r, v in enumerate(table))
+            + "); start every rank with the same model files")
+
+
+class StepChannel:
+    """Rank 0's messages to every rank: ``kind`` plus an int32 payload.
+
+    One ``all_sum`` of a ``CAPACITY`` buffer carries a message's header and
+    first values (rank 0's values, zeros from the others), a second one the
+    rest when it is longer. Every rank must call ``send`` (rank 0) / ``recv``
+    (the others) in the same order."""
+
+    def __init__(self, group, heartbeat_s: float = 1.0, timeout_s: float = 120.0, on_timeout=None):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.heartbeat_s = heartbeat_s
+        self.block_size = 16  # the KV pool's, from SETUP
+        self.last_contact = time.monotonic()
+        self.messages = 0
+        self.collectives = 0
+        self.seconds = 0.0  # spent in the channel's collectives (rank 0's view)
+        self.ranks: list[dict] = []  # per rank, from the last SETUP
+        # The watchdog: a guarded section (a step, a message) that lasts longer
+        # than timeout_s means a peer hangs alive; on_timeout(message) runs, then
+        # the process ends.
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+        self._since: float | None = None
+        self._watch: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def guard(self, what: str = "a tensor-parallel step"):
+        """Collectives inside must finish within ``timeout_s``."""
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._watchdog, name="mlxfast-tp-watchdog", daemon=True)
+            self._watch.start()
+        self._what = what
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            since = self._since
+            if since is None or time.monotonic() - since <= self.timeout_s:
+                continue
+            msg = (f"rank {self.rank}: {self._what} has not finished in {self.timeout_s:.0f} s "
+                   "(--tp-timeout): a tensor-parallel rank hangs")
+            print(f"mlxfast: error: {msg}; exiting", file=sys.stderr, flush=True)
+            if self.on_timeout is not None:
+                try:
+                    self.on_timeout(msg)
+                except Exception:  # noqa: BLE001
+                    pass
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _reduce(self, buf: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = mx.distributed.all_sum(mx.array(buf), group=self.group, stream=mx.cpu)
+        mx.eval(out)
+        self.collectives += 1
+        self.seconds += time.perf_counter() - t0
+        self.last_contact = time.monotonic()
+        return np.array(out)
+
+    def send(self, kind: int, payload=None) -> None:
+        payload = np.zeros(0, np.int32) if payload is None else np.asarray(payload, np.int32)
+        n = payload.size
+        buf = np.zeros(CAPACITY, np.int32)
+        buf[0], buf[1] = kind, n
+        first = min(n, CAPACITY - _HEAD)
+        buf[_HEAD:_HEAD + first] = payload[:first]
+        self._reduce(buf)
+        if n > first:
+            self._reduce(payload[first:])
+        self.messages += 1
+
+    def recv(self) -> tuple[int, np.ndarray]:
+        buf = self._reduce(np.zeros(CAPACITY, np.int32))
+        kind, n = int(buf[0]), int(buf[1])
+        if kind not in _KINDS or n < 0:
+            raise RuntimeError(f"rank {self.rank}: a malformed tensor-parallel message (kind {kind}, "
+                               f"{n} values): the ranks are out of step")
+        first = min(n, CAPACITY - _HEAD)
+        payload = buf[_HEAD:_HEAD + first]
+        if n > first:
+            payload = np.concatenate([payload, self._reduce(np.zeros(n - first, np.int32))])
+        self.messages += 1
+        return kind, payload
+
+    # -- rank 0 --------------------------------------------------------------
+    def setup(self, config: dict, own: tuple[int, int]) -> list[dict]:
+        """Send the KV pool's configuration; every rank builds its pool and
+        answers with (ok, parameter bytes, KV bytes, pid)."""
+        text = json.dumps(config).encode()
+        self.block_size = config["block_size"]
+        with self.guard("setting up the ranks' KV pools"):
+            self.send(SETUP, np.frombuffer(text.ljust(-(-len(text) // 4) * 4), np.int32))
+            table = gather_rows(self.group, [1, own[0], own[1], os.getpid()])
+        self.ranks = [{"rank": r, "param_bytes": int(t[1]), "kv_bytes": int(t[2]), "pid": int(t[3])}
+                      for r, t in enumerate(table)]
+        bad = [r for r, t in enumerate(table) if t[0] != 1]
+        if bad:
+            raise RuntimeError(f"tensor-parallel rank(s) {', '.join(map(str, bad))} could not build "
+                               "their KV pool (see their log)")
+        return self.ranks
+
+    def send_step(self, tokens: list[int], seqs) -> None:
+        """The model call's inputs: token ids, and per sequence its start, its
+        token count and its block tables (what PagedContext reads)."""
+        S, G = len(seqs), len(seqs[0].block_tables)
+        bs = self.block_size
+        parts = [np.array([len(tokens), S, G], np.int32), np.asarray(tokens, np.int32),
+                 np.fromiter((s.start for s in seqs), np.int32, S),
+                 np.fromiter((s.n for s in seqs), np.int32, S)]
+        for g in range(G):
+            for s in seqs:
+                parts.append(np.asarray(s.block_tables[g][:-(-(s.start + s.n) // bs)], np.int32))
+        self.send(STEP, np.concatenate(parts))
+
+    def ping_if_due(self) -> None:
+        if time.monotonic() - self.last_contact >= self.heartbeat_s:
+            with self.guard("a heartbeat"):
+                self.send(PING)
+
+    def stop(self) -> None:
+        with self.guard("stopping the ranks"):
+            self.send(STOP)
+
+    def stats(self) -> dict:
+        return {"size": self.size, "ranks": self.ranks, "messages": self.messages,
+                "channel_collectives": self.collectives,
+                "channel_seconds": round(self.seconds, 6),
+                "last_contact_s": round(time.monotonic() - self.last_contact, 3)}
+
+
+def decode_step(payload: np.ndarray, block_size: int):
+    """(tokens [T] int32, [SeqSlice]) from a STEP payload."""
+    from ..kv.paged import SeqSlice
+
+    T, S, G = (int(v) for v in payload[:3])
+    i = 3
+    tokens = payload[i:i + T]
+    i += T
+    starts = payload[i:i + S].tolist()
+    i += S
+    ns = payload[i:i + S].tolist()
+    i += S
+    nbs = [-(-(a + n) // block_size) for a, n in zip(starts, ns)]
+    tables = [[None] * S for _ in range(G)]
+    for g in range(G):
+        for k, nb in enumerate(nbs):
+            tables[g][k] = payload[i:i + nb].tolist()
+            i += nb
+    if i != payload.size:
+        raise RuntimeError(f"a tensor-parallel step message of {payload.size} values, {i} expected")
+    return tokens, [SeqSlice([tables[g][k] for g in range(G)], starts[k], ns[k]) for k in range(S)]
+
+
+class Follower:
+    """A rank other than 0: runs rank 0's model steps on its shard until STOP.
+
+    Waiting for a message is guarded too: rank 0 sends one at least every
+    heartbeat, so a silence of ``timeout_s`` means it hangs."""
+
+    def __init__(self, model, channel: StepChannel):
+        self.model = model
+        self.channel = channel
+        self.pool = None
+        self.native = None
+        self.block_size = 16
+        self.steps = 0
+
+    def run(self) -> None:
+        ch = self.channel
+        while True:
+            with ch.guard("waiting for rank 0 (or running its step)"):
+                kind, payload = ch.recv()
+                if kind == STEP:
+                    self._step(payload)
+                elif kind == SETUP:
+                    self._setup(payload)
+                elif kind == STOP:
+                    self.pool = None
+                    return
+
+    def _setup(self, payload: np.ndarray) -> None:
+        from ..kv.block_pool import KVPool, kv_dtype
+        from ..kv.schemes import parse_kv_quant
+        from ..models.shard import param_bytes
+
+        self.pool = None
+        ok, kv_bytes = 1, 0
+        try:
+            cfg = json.loads(payload.tobytes().rstrip(b" ").decode())
+            layers = self.model.kv_layers
+            dtype = kv_dtype(cfg["kv_dtype"])
+            spec = parse_kv_quant(cfg["kv_quant"], head_dim=layers[0].head_dim, dtype=dtype,
+                                  group_size=cfg["kv_group_size"])
+            self.block_size = cfg["block_size"]
+            self.native = cfg["native"]
+            self.pool = KVPool(layers, cfg["num_blocks"], self.block_size, dtype, kv_quant=spec,
+                               release=cfg["release"])
+            kv_bytes = self.pool.nbytes
+        except Exception:  # noqa: BLE001  (answered, then rank 0 stops the launch)
+            log.exception("rank %d: cannot build the KV pool", self.channel.rank)
+            ok = 0
+        gather_rows(self.channel.group, [ok, param_bytes(self.model), kv_bytes, os.getpid()])
+        if not ok:
+            raise RuntimeError(f"rank {self.channel.rank}: cannot build the KV pool")
+
+    def _step(self, payload: np.ndarray) -> None:
+        from ..kv.paged import PagedContext
+
+        tokens, seqs = decode_step(payload, self.block_size)
+        ctx = PagedContext(self.pool, seqs, native=self.native)
+        h = self.model(mx.array(tokens[:, None]), ctx)  # compute_head is False: the last hidden state
+        mx.eval(h, self.pool.arrays())
+        self.steps += 1
+
+
+# -- one machine: N ranks on loopback ----------------------------------------
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def launch_local(n: int, argv: list[str], *, grace_s: float = 15.0) -> int:
+    """Run ``python -m mlxfast.serve argv`` as ``n`` ring ranks on loopback and
+    supervise them: SIGINT/SIGTERM go to rank 0 (which stops the others), a
+    rank that exits ends the rest within ``grace_s``, and the exit status is
+    rank 0's (or the first failing rank's)."""
+    ports = _free_ports(n)
+    fd, hostfile = tempfile.mkstemp(prefix="mlxfast-tp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
+    try:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    except OSError:
+        cpus = os.cpu_count() or 1
+    threads = str(max(1, cpus // n))
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=hostfile, MLXFAST_TP_BACKEND="ring")
+        env.setdefault("MLXFAST_NUM_THREADS", threads)
+        env.setdefault("MLX_NUM_THREADS", threads)
+        procs.append(subprocess.Popen([sys.executable, "-m", "mlxfast.serve", *argv], env=env))
+
+    def forward(sig, frame):
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        first_exit = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if first_exit is None and any(c is not None for c in codes):
+                first_exit = time.monotonic()
+            if first_exit is not None and time.monotonic() - first_exit > grace_s:
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                deadline = time.monotonic() + 3
+                for p in procs:
+                    try:
+                        p.wait(max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+                break
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        os.unlink(hostfile)
+    codes = [p.returncode for p in procs]
+    if codes[0]:
+        return codes[0]
+    return next((c for c in codes if c), 0)
