@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-restore-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a restore from the SSD cache not done within this time (a slow or hung "
                         "disk) is abandoned and the prompt computed")
+    p.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=None,
+                   metavar="N", help="shard the model over N ranks (tensor parallelism): started here on "
+                                     "loopback with the ring backend, or give the ranks yourself with "
+                                     "'mlx.launch ... -- mlxfast serve ...' (any launch it supports)")
+    p.add_argument("--tp-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="tensor parallelism: ranks that do not connect, or a step or heartbeat that does "
+                        "not finish, within this time (a rank that hangs) end the server with an error")
     return p
 
 
@@ -231,6 +238,19 @@ def main(argv: list[str] | None = None) -> int:
             chat_template = load_chat_template(args.chat_template)
         except ValueError as e:
             return _fail(f"--chat-template: {e}")
+    tp_size = args.tensor_parallel_size
+    if tp_size is not None and tp_size < 1:
+        return _fail("--tensor-parallel-size must be at least 1")
+    from .engine import distributed
+
+    launched = distributed.launched()
+    if (launched or (tp_size or 1) > 1) and args.ssd_cache:
+        return _fail("--ssd-cache is not supported with tensor parallelism yet")
+    if not launched and (tp_size or 1) > 1:  # N ranks of this command on loopback
+        _say(f"starting {tp_size} tensor-parallel ranks on loopback (ring backend)")
+        return distributed.launch_local(tp_size, sys.argv[1:] if argv is None else list(argv))
+    if launched and distributed.launch_rank() != 0:
+        return _follow(args)
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -295,7 +315,17 @@ def main(argv: list[str] | None = None) -> int:
             from . import load as load_model
             from .engine.engine import Engine
 
+            group = None
+            if launched:  # rank 0 of a tensor-parallel launch
+                group = distributed.init_group(args.tp_timeout)
+                if tp_size is not None and group.size() != tp_size:
+                    raise ValueError(f"--tensor-parallel-size {tp_size} but the launch has {group.size()} ranks")
             model, tokenizer = load_model(args.model)
+            if group is not None and group.size() > 1:
+                from .models.shard import shard_model
+
+                distributed.check_same_model(group, model)
+                shard_model(model, group)
             if chat_template is not None:
                 own = "replacing the model's own" if tokenizer.chat_template else "the model has none"
                 _say(f"chat template from --chat-template ({own})")
@@ -309,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
             config = _engine_config(args)
             if args.draft_model is not None:
                 config.draft_model = _load_draft(load_model, args.draft_model, tokenizer)
+            if group is not None and group.size() > 1:
+                config.tp_channel = distributed.StepChannel(group, timeout_s=args.tp_timeout,
+                                                            on_timeout=tp_hangs)
             engine = Engine(model, tokenizer, config)
+            if config.tp_channel is not None:
+                engine.on_death = tp_died
             engine.start()
             while not server.started and not server.should_exit:
                 time.sleep(0.01)
@@ -318,14 +353,32 @@ def main(argv: list[str] | None = None) -> int:
             local = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host)
             page_url = f"http://{local}:{args.port}/" if local else f"{url}/"
             page = f"; chat page: {page_url}" if settings.webui else ""
+            tp_note = "" if group is None or group.size() < 2 else \
+                f", tensor parallel over {group.size()} ranks"
             _say(f"model loaded in {time.perf_counter() - t0:.1f}s; ready on {url} "
-                 f"(model '{settings.model_name}', context {state.max_model_len} tokens){page}")
+                 f"(model '{settings.model_name}', context {state.max_model_len} tokens{tp_note}){page}")
         except BaseException as e:  # report, then stop the server
             state.status = "failed"
             state.load_error = f"{type(e).__name__}: {e}"
             print(f"mlxfast: error: could not start the model: {e}", file=sys.stderr, flush=True)
             exit_code[0] = 1
             server.should_exit = True
+
+    def tp_died(error: str) -> None:
+        """A tensor-parallel engine that dies ends the server: the requests in
+        flight have their errors; the server stops after they are written."""
+        print(f"mlxfast: error: tensor-parallel serving stopped: {error}", file=sys.stderr, flush=True)
+        exit_code[0] = 1
+        threading.Timer(0.5, lambda: setattr(server, "should_exit", True)).start()
+
+    def tp_hangs(msg: str) -> None:
+        """The watchdog (a rank hangs; the engine thread is stuck in a
+        collective): the requests in flight get their error before the
+        process ends."""
+        e = state.engine
+        if e is not None and e.alive:
+            e._die(TimeoutError(msg))
+            time.sleep(1.0)
 
     loader = threading.Thread(target=load, name="mlxfast-load", daemon=True)
     loader.start()
@@ -350,6 +403,43 @@ def main(argv: list[str] | None = None) -> int:
     if exit_code[0] == 0:
         _say("stopped")
     return exit_code[0]
+
+
+def _follow(args) -> int:
+    """A tensor-parallel rank other than 0: load the same model, shard it and
+    run rank 0's steps until it stops us (no HTTP)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def stopping(sig, frame):
+        # A terminal's Ctrl-C or a process group's SIGTERM reaches every rank:
+        # rank 0 stops us (a STOP after its requests end); alone, we go later.
+        def later():
+            time.sleep(args.shutdown_timeout + EXIT_GRACE_S + 3.0)
+            os._exit(128 + sig)
+
+        threading.Thread(target=later, daemon=True).start()
+
+    signal.signal(signal.SIGINT, stopping)
+    signal.signal(signal.SIGTERM, stopping)
+    from . import load as load_model
+    from .engine import distributed
+    from .models.shard import ShardError, shard_model
+
+    rank = distributed.launch_rank()
+    try:
+        group = distributed.init_group(args.tp_timeout)
+        if args.tensor_parallel_size is not None and group.size() != args.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} but the launch has "
+                             f"{group.size()} ranks")
+        model, _ = load_model(args.model)
+        distributed.check_same_model(group, model)
+        shard_model(model, group)
+        distributed.Follower(model, distributed.StepChannel(group, timeout_s=args.tp_timeout)).run()
+    except (ShardError, ValueError, FileNotFoundError, ConnectionError) as e:
+        return _fail(f"rank {rank}: could not start the model: {e}")
+    except RuntimeError as e:  # the backend's "connection to a peer was lost", a mismatched model
+        return _fail(f"rank {rank}: {e}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +31,10 @@ async def health(request: Request):
     if not state.engine_alive():
         err = state.engine.error if state.engine is not None else None
         return JSONResponse({"status": "error", "error": f"engine stopped: {err or 'unknown'}"}, status_code=503)
+    channel = getattr(state.engine, "channel", None)
+    if channel is not None:  # tensor parallelism: every rank answered rank 0 this long ago (a heartbeat)
+        return {"status": "ok", "tensor_parallel_size": channel.size,
+                "ranks_last_contact_s": round(time.monotonic() - channel.last_contact, 3)}
     return {"status": "ok"}
 
 
@@ -63,6 +68,7 @@ async def stats(request: Request):
         "status": state.status if state.engine_alive() or state.status != "ready" else "error",
         "max_model_len": state.max_model_len if state.engine is not None else None,
         "has_chat_template": state.has_chat_template,
+        "tensor_parallel_size": engine_stats.get("tensor_parallel_size"),
         "metrics": prom.values(engine_stats),
         "engine": _jsonable(engine_stats),
     }
