@@ -294,6 +294,13 @@ def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:
 
     if arch == "phi3":
         _phi3_rope_factors(tensors, config)
+    elif "rope_freqs.weight" in tensors:
+        # llama.cpp's converter stores Llama 3.x's llama3 RoPE scaling as the
+        # per-frequency divisors it computed (the config's factors are gone).
+        if config.get("rope_scaling"):
+            raise ValueError("GGUF has both rope_freqs.weight and a RoPE scaling type")
+        factors = tensors["rope_freqs.weight"].astype(mx.float32).tolist()
+        config["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
     config["tie_word_embeddings"] = "lm_head.weight" not in out
     return out, _quantization_of(out)
 

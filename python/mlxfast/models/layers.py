@@ -191,8 +191,15 @@ class RoPE(nn.Module):
             self.scale = 1.0 / float(scaling["factor"])
         elif kind == "llama3":
             self._freqs = _llama3_freqs(dims, base, scaling)
+        elif kind == "freq_factors":  # a GGUF's rope_freqs tensor: each frequency's divisor
+            factors = mx.array(scaling["factors"], dtype=mx.float32)
+            if factors.shape != (dims // 2,):
+                raise ValueError(f"rope freq factors: {factors.shape[0]} values for {dims // 2} frequencies")
+            self._freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) * factors
         else:
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+        if self._freqs is not None:
+            mx.eval(self._freqs)  # not a parameter: the loader's eval would leave it lazy
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         """x [..., H, D] with one int32 position per token (``positions`` = x.shape[:-2])."""
