@@ -315,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
             from . import load as load_model
             from .engine.engine import Engine
 
-            group = None
+            group = liveness = None
             if launched:  # rank 0 of a tensor-parallel launch
                 group = distributed.init_group(args.tp_timeout)
                 if tp_size is not None and group.size() != tp_size:
                     raise ValueError(f"--tensor-parallel-size {tp_size} but the launch has {group.size()} ranks")
+                if group.size() > 1:
+                    liveness = distributed.Liveness(group, tp_lost, timeout_s=args.tp_timeout)
             model, tokenizer = load_model(args.model)
             if group is not None and group.size() > 1:
                 from .models.shard import shard_model
@@ -342,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             if group is not None and group.size() > 1:
                 config.tp_channel = distributed.StepChannel(group, timeout_s=args.tp_timeout,
                                                             on_timeout=tp_hangs)
+                config.tp_channel.liveness = liveness
             engine = Engine(model, tokenizer, config)
             if config.tp_channel is not None:
                 engine.on_death = tp_died
@@ -371,6 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         exit_code[0] = 1
         threading.Timer(0.5, lambda: setattr(server, "should_exit", True)).start()
 
+    def tp_lost(rank: int) -> None:
+        """The liveness link (engine/distributed.py): a rank's process has ended."""
+        msg = f"tensor-parallel rank {rank} is gone (its process ended or its host is unreachable)"
+        e = state.engine
+        if e is None:  # still starting
+            print(f"mlxfast: error: {msg}", file=sys.stderr, flush=True)
+            os._exit(1)
+        e.fail(msg)
+
     def tp_hangs(msg: str) -> None:
         """The watchdog (a rank hangs; the engine thread is stuck in a
         collective): the requests in flight get their error before the
@@ -394,12 +406,18 @@ def main(argv: list[str] | None = None) -> int:
         if engine is not None:
             left = max(0.0, deadline[0] - time.monotonic())
             try:  # the engine thread stops in milliseconds; give it a second even past the deadline
-                engine.shutdown(timeout=max(1.0, left), ssd_flush_timeout=left)
+                engine.shutdown(timeout=max(1.0, left) if engine.alive else 1.0, ssd_flush_timeout=left)
             except Exception as e:  # never a traceback on the way out
                 print(f"mlxfast: warning: engine shutdown: {e}", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
             sock.close()
         finished.set()
+        if launched and exit_code[0]:
+            # A failed tensor-parallel server: its engine thread may be stuck in
+            # a collective of a dead peer, which interpreter shutdown would wait on.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code[0])
     if exit_code[0] == 0:
         _say("stopped")
     return exit_code[0]
@@ -431,6 +449,12 @@ def _follow(args) -> int:
         if args.tensor_parallel_size is not None and group.size() != args.tensor_parallel_size:
             raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} but the launch has "
                              f"{group.size()} ranks")
+        def lost(_rank0: int) -> None:  # the link to rank 0 closed: it has ended
+            time.sleep(3.0)  # a clean STOP ends this process first
+            print(f"mlxfast: error: rank {rank}: rank 0 is gone; exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+
+        distributed.Liveness(group, lost, timeout_s=args.tp_timeout)
         model, _ = load_model(args.model)
         distributed.check_same_model(group, model)
         shard_model(model, group)

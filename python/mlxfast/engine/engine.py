@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -178,7 +179,9 @@ class Engine:
         # Tensor parallelism (engine/distributed.py): rank 0's channel to the
         # other ranks, or None in one process.
         self.channel = cfg.tp_channel
-        self.on_death = None  # called (engine thread) with the error once the engine has died
+        self.on_death = None  # called with the error once the engine has died
+        self._failure: str | None = None  # set by fail() (any thread)
+        self._died = False
         self.ranks: list[dict] = []  # per rank: parameter and KV bytes
         # KV outside the pool (kv/connector.py): the SSD tier, opened on the
         # engine thread, or nothing.
@@ -344,7 +347,7 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not (self._incoming or self._aborts or self._stopping
+                    while not (self._incoming or self._aborts or self._stopping or self._failure
                                or self.scheduler.has_work() or connector.has_work()):
                         timeout = connector.wait_timeout()
                         if channel is not None:  # idle ranks hear from rank 0 every heartbeat
@@ -356,6 +359,8 @@ class Engine:
                     aborts = list(self._aborts)
                     self._aborts.clear()
                     stopping = self._stopping
+                    if self._failure:
+                        raise ConnectionError(self._failure)
                 for request, stream in incoming:
                     self._admit(request, stream)
                 for rid in aborts:
@@ -381,10 +386,28 @@ class Engine:
         except BaseException as e:  # noqa: BLE001
             self._die(e)
 
+    def fail(self, reason: str, stuck_after_s: float = 1.0) -> None:
+        """Kill the engine from another thread (tensor parallelism: a rank is
+        gone). The engine thread dies at its next turn; one stuck in a
+        collective that never returns is declared dead from here after
+        ``stuck_after_s`` (it blocks in native code, touching nothing)."""
+        with self._cond:
+            self._failure = reason
+            self._cond.notify_all()
+        deadline = time.monotonic() + stuck_after_s
+        while self.alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.alive:
+            self._die(ConnectionError(reason))
+
     def _die(self, e: BaseException) -> None:
+        with self._cond:
+            if self._died:
+                return
+            self._died = True
         self.error = f"{type(e).__name__}: {e}"
         self.alive = False
-        self._last_traceback = traceback.format_exc()
+        self._last_traceback = "" if sys.exc_info()[0] is None else traceback.format_exc()
         log.error("the engine stopped: %s\n%s", self.error, self._last_traceback)
         with self._cond:
             self._stopping = True
