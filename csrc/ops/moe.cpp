@@ -53,6 +53,7 @@ void top_k(const float* v, int64_t E, int k, int32_t* ids) {
 // --------------------------------------------------------------- experts
 
 constexpr int64_t kLightRows = qmm::kGemvMaxRows;  // more tokens: the whole GEMM
+constexpr int64_t kInlineFloats = 1 << 16;  // smaller elementwise passes: no fan-out
 
 struct Proj {  // one projection of every expert
   const uint8_t* w = nullptr;
@@ -251,7 +252,10 @@ void run_experts(Plan P) {
     rms_norm_rows(P.x_dtype, P.x.data, P.norm_dtype, P.norm.data, nb, T, D, P.eps);
     xsrc = nb;
   }
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1));
+  // Small pieces of work run on the calling thread: a fan-out costs more than
+  // they do, and a pool thread descheduled by another process would hold the
+  // step up (a decode step's gathers and GEMV layouts are a few thousand values).
+  const int64_t grain = std::max<int64_t>(1, kInlineFloats / std::max<int64_t>(D, 1));
   parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t t = token_of[r];
@@ -269,14 +273,15 @@ void run_experts(Plan P) {
   // Light experts' activations in the GEMV layout (per expert; few rows).
   auto prepare = [&](const Proj& p, const float* src, float* dst, const std::vector<int64_t>& off) {
     const int64_t in = p.in;
-    parallel_for(nL, std::max<int64_t>(1, 32768 / std::max<int64_t>(kLightRows * in, 1)),
-                 [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t e = light[i];
-        qmm::Args a = expert_args(P, p, e, src + start[e] * in, nullptr, count[e]);
-        fns.prepare(a, dst + off[i]);
-      }
-    });
+    auto one = [&](int64_t i) {
+      const int64_t e = light[i];
+      fns.prepare(expert_args(P, p, e, src + start[e] * in, nullptr, count[e]), dst + off[i]);
+    };
+    if (off[nL] <= kInlineFloats) {
+      for (int64_t i = 0; i < nL; ++i) one(i);
+    } else {
+      par_units(nL, one);
+    }
   };
 
   // gate and up, then silu(gate) * up into H.
@@ -285,7 +290,7 @@ void run_experts(Plan P) {
     const int64_t o = start[e], n = count[e];
     run_qmm(expert_args(P, P.gate, e, Xs + o * D, G + o * I, n), P.path);
     run_qmm(expert_args(P, P.up, e, Xs + o * D, U + o * I, n), P.path);
-    parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    parallel_for(n, std::max<int64_t>(1, kInlineFloats / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
       silu_mul_block(G + (o + r0) * I, U + (o + r0) * I, H + (o + r0) * I, r1 - r0, I, I, P.path);
     });
   }
@@ -314,7 +319,7 @@ void run_experts(Plan P) {
   // out[t] = (residual[t] +) sum_j scores[t, j] * Y[pos[t, j]], j in order.
   const mx::Dtype odt = P.x_dtype;
   const qmm::DType oq = to_qmm(odt);
-  parallel_for(T, std::max<int64_t>(1, 16384 / std::max<int64_t>(k * D, 1)), [&](int64_t t0, int64_t t1) {
+  parallel_for(T, std::max<int64_t>(1, kInlineFloats / std::max<int64_t>(k * D, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t d = 0; d < D; ++d) {
         float acc = 0.f;
