@@ -73,6 +73,8 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, model_type, per_expert, qtyp
     assert isinstance(moe.switch_mlp.gate_proj, kind) and moe.switch_mlp.down_proj.weight.shape[0] == 8
     if kind is QuantizedSwitchLinear:
         assert moe.switch_mlp.gate_proj.bits == (8 if qtype == Q.Q8_0 else 4)
+        # Q4_0 / Q8_0 are symmetric: their experts keep no biases (Q4_1's are real)
+        assert ("biases" in moe.switch_mlp.down_proj) == (qtype == Q.Q4_1)
     tokens = mx.array([[5, 17, 99, 3, 200, 42, 7, 150, 64, 11]])
     got, want = model(tokens, DenseKVCache.for_model(model)), ref(tokens)
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()

@@ -173,6 +173,32 @@ def test_batch_invariance_of_light_experts(path):
         assert mx.array_equal(alone[0], batched[t]).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8, 5])
+@pytest.mark.parametrize("T", [3, 40])
+def test_symmetric_weights_without_biases(path, bits, T):
+    """A symmetric format (bias = -2^(bits-1) * scale, as GGUF's Q4_0 / Q8_0)
+    passed without biases: the same numbers as with them, bit for bit, in
+    the GEMV and the GEMM parts; the reference builds the biases itself."""
+    w = experts(bits, 32)
+    sym = {}
+    for name, (wq, s, _) in w.items():
+        s = mx.abs(s)
+        sym[name] = (wq, s, s * -(2 ** (bits - 1)))
+    mx.random.seed(12)
+    x = mx.random.normal((T, D))
+    inds, scores = routing(T, 2, seed=13, everyone=4)
+    full = ops.moe_experts(x, inds, scores, sym["gate"], sym["up"], sym["down"], group_size=32,
+                           bits=bits)
+    nob = {name: (wq, s, None) for name, (wq, s, _) in sym.items()}
+    nob["up"] = sym["up"]  # projections may differ
+    got = ops.moe_experts(x, inds, scores, nob["gate"], nob["up"], nob["down"], group_size=32,
+                          bits=bits)
+    assert mx.array_equal(got, full).item()
+    ref = moe_experts_reference(x, inds, scores, nob["gate"], nob["up"], nob["down"],
+                                group_size=32, bits=bits)
+    assert rel_err(got, ref) < TOL[mx.float32]
+
+
 def test_empty_and_bad_inputs():
     w = experts(4, 32)
     got = ops.moe_experts(mx.zeros((0, D)), mx.zeros((0, 2), mx.uint32), mx.zeros((0, 2)),

@@ -35,7 +35,7 @@ struct Args {
   const void* x;        // [M, K] in x_dtype, row-major contiguous
   const void* w;        // [N, K * bits / 32] uint32, or [N, K] in w_dtype
   const void* scales;   // [N, K / group_size] in s_dtype
-  const void* biases;   // [N, K / group_size] in s_dtype
+  const void* biases;   // [N, K / group_size] in s_dtype; nullptr: symmetric (see sym_bias)
   void* out;            // [M, N] in x_dtype
   int64_t M, N, K;
   int group_size, bits;
@@ -44,6 +44,12 @@ struct Args {
 };
 
 inline int dtype_size(DType dt) { return dt == F32 ? 4 : 2; }
+
+// Symmetric formats (GGUF's Q4_0, Q5_0, Q8_0 read as MLX groups) have
+// bias = -2^(bits-1) * scale in every group, exactly: a kernel given
+// biases == nullptr computes them so (same numbers, fewer bytes). Only the
+// MoE experts pass nullptr (ops/moe.cpp); quantized_matmul always has biases.
+inline float sym_bias(int bits) { return -static_cast<float>(1 << (bits - 1)); }
 
 // Rows up to which the GEMV (weight-streaming) path is used; above it the
 // blocked GEMM path dequantizes weight panels once and reuses them. A GEMV
@@ -160,6 +166,12 @@ inline void dense_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float
   }
 }
 
+// bi[i] = the symmetric bias of scale sc[i] (biases == nullptr).
+inline void sym_biases(const float* sc, int64_t n, int bits, float* bi) {
+  const float h = sym_bias(bits);
+  for (int64_t i = 0; i < n; ++i) bi[i] = h * sc[i];
+}
+
 // Prefetch `bytes` from byte offset `off` of p, a cache line at a time.
 inline void prefetch_bytes(const void* p, int64_t off, int64_t bytes) {
   const char* c = static_cast<const char*>(p) + off;
@@ -174,7 +186,7 @@ inline void prefetch_group_params(const Args& a, int64_t n1, int64_t rows, int64
   const int64_t nn = a.N - n1 < rows ? a.N - n1 : rows;
   const int64_t es = dtype_size(a.s_dtype);
   prefetch_bytes(a.scales, n1 * G * es, nn * G * es);
-  prefetch_bytes(a.biases, n1 * G * es, nn * G * es);
+  if (a.biases) prefetch_bytes(a.biases, n1 * G * es, nn * G * es);
 }
 
 constexpr size_t kKeepScratchFloats = size_t(16) << 20;  // 64 MiB

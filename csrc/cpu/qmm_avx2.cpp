@@ -247,7 +247,11 @@ void gemv_unit(const Args& a, const float* xp, int64_t n0, int64_t n1) {
   prefetch_group_params(a, n1, kGemvRowBlock, G);
   if (!dense) {
     cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
-    cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+    if (a.biases) {
+      cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+    } else {
+      sym_biases(sc, (n1 - n0) * G, a.bits, bi);
+    }
   }
   for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
     int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
@@ -311,7 +315,11 @@ void load_sb(const Args& a, int64_t n0, float* sb) {
   const int64_t G = a.K / a.group_size;
   const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
   cvt_row(a.scales, a.s_dtype, n0 * G, ncols * G, sb);
-  cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, sb + kNR * G);
+  if (a.biases) {
+    cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, sb + kNR * G);
+  } else {
+    sym_biases(sb, ncols * G, a.bits, sb + kNR * G);
+  }
   if (ncols < kNR) {
     std::memset(sb + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
     std::memset(sb + kNR * G + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);

@@ -358,7 +358,11 @@ void gemv_unit(const Args& a, const float* xp, int64_t n0, int64_t n1) {
   prefetch_group_params(a, n1, kGemvRowBlock, G);
   if (!dense) {
     cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
-    cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+    if (a.biases) {
+      cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+    } else {
+      sym_biases(sc, (n1 - n0) * G, a.bits, bi);
+    }
   }
   for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
     int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
@@ -477,7 +481,11 @@ void load_sb(const Args& a, int64_t n0, float* sb) {
   float* scf = sb;
   float* bif = sb + kNR * G;
   cvt_row(a.scales, a.s_dtype, n0 * G, ncols * G, scf);
-  cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, bif);
+  if (a.biases) {
+    cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, bif);
+  } else {
+    sym_biases(scf, ncols * G, a.bits, bif);
+  }
   if (ncols < kNR) {
     std::memset(scf + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
     std::memset(bif + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);

@@ -34,8 +34,10 @@ void dequant_row(const Args& a, int64_t n, float* dst) {
   const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
   const uint8x16_t m4 = vdupq_n_u8(0x0f);
   for (int64_t g = 0; g < G; ++g) {
-    float32x4_t s = vdupq_n_f32(load_f32(a.scales, a.s_dtype, n * G + g));
-    float32x4_t b = vdupq_n_f32(load_f32(a.biases, a.s_dtype, n * G + g));
+    const float sf = load_f32(a.scales, a.s_dtype, n * G + g);
+    float32x4_t s = vdupq_n_f32(sf);
+    float32x4_t b = vdupq_n_f32(a.biases ? load_f32(a.biases, a.s_dtype, n * G + g)
+                                         : sym_bias(a.bits) * sf);
     for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
       if (a.bits == 4) {
         uint8x16_t q = vld1q_u8(row + (k0 >> 1));

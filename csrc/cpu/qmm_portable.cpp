@@ -25,7 +25,7 @@ void dequant_row(const Args& a, int64_t n, float* dst) {
   const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
   for (int64_t g = 0; g < G; ++g) {
     float s = load_f32(a.scales, a.s_dtype, n * G + g);
-    float b = load_f32(a.biases, a.s_dtype, n * G + g);
+    float b = a.biases ? load_f32(a.biases, a.s_dtype, n * G + g) : sym_bias(a.bits) * s;
     int64_t k0 = g * a.group_size;
     if (a.bits == 4) {
       for (int64_t k = 0; k < a.group_size; k += 2) {

@@ -345,8 +345,8 @@ void check_proj(const char* op, const char* name, const ExpertWeights& p, int64_
                 int64_t out, int64_t in, int group_size, int bits, mx::Dtype& sdt, bool first) {
   std::ostringstream msg;
   if (bits > 0) {
-    if (!p.scales || !p.biases) {
-      msg << name << ": quantized weights need scales and biases.";
+    if (!p.scales) {
+      msg << name << ": quantized weights need scales (and biases, unless symmetric).";
       fail(op, msg.str());
     }
     if (p.w.dtype() != mx::uint32) {
@@ -355,14 +355,14 @@ void check_proj(const char* op, const char* name, const ExpertWeights& p, int64_
     }
     const mx::Shape ws = {static_cast<int>(E), static_cast<int>(out), static_cast<int>(in * bits / 32)};
     const mx::Shape ss = {static_cast<int>(E), static_cast<int>(out), static_cast<int>(in / group_size)};
-    if (p.w.shape() != ws || p.scales->shape() != ss || p.biases->shape() != ss) {
+    if (p.w.shape() != ws || p.scales->shape() != ss || (p.biases && p.biases->shape() != ss)) {
       msg << name << ": expected w " << ws << " and scales/biases " << ss << " for " << E
           << " experts, out " << out << ", in " << in << ", bits " << bits << ", group_size "
-          << group_size << "; got " << p.w.shape() << ", " << p.scales->shape() << ", "
-          << p.biases->shape() << ".";
+          << group_size << "; got " << p.w.shape() << ", " << p.scales->shape()
+          << (p.biases ? ", " : "") << (p.biases ? p.biases->shape() : mx::Shape{}) << ".";
       fail(op, msg.str());
     }
-    if (!is_float(p.scales->dtype()) || p.biases->dtype() != p.scales->dtype()) {
+    if (!is_float(p.scales->dtype()) || (p.biases && p.biases->dtype() != p.scales->dtype())) {
       msg << name << ": scales and biases must share one float dtype.";
       fail(op, msg.str());
     }
@@ -394,7 +394,7 @@ Proj make_proj(const mx::array& w, const mx::array* sc, const mx::array* bi, int
   p.w_expert_bytes = E > 0 ? static_cast<int64_t>(w.nbytes()) / E : 0;
   if (sc) {
     p.scales = static_cast<const uint8_t*>(sc->data<void>());
-    p.biases = static_cast<const uint8_t*>(bi->data<void>());
+    p.biases = bi ? static_cast<const uint8_t*>(bi->data<void>()) : nullptr;
     p.s_expert_bytes = E > 0 ? static_cast<int64_t>(sc->nbytes()) / E : 0;
   }
   (void)group_size;
@@ -545,18 +545,24 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
     fail(op, msg.str());
   }
   std::vector<mx::array> inputs = {x, inds, scores};
+  int sym = 0, bit = 1;
   for (const ExpertWeights* p : {&gate, &up, &down}) {
     inputs.push_back(dense_weight(p->w, stream));
     if (bits > 0) {
       inputs.push_back(dense_weight(*p->scales, stream));
-      inputs.push_back(dense_weight(*p->biases, stream));
+      if (p->biases) {
+        inputs.push_back(dense_weight(*p->biases, stream));
+      } else {
+        sym |= bit;
+      }
     }
+    bit <<= 1;
   }
   if (norm_weight) inputs.push_back(*norm_weight);
   if (residual) inputs.push_back(*residual);
   return mx::array(x.shape(), x.dtype(),
-                   std::make_shared<MoeExperts>(stream, group_size, bits, norm_weight.has_value(),
-                                                eps, residual.has_value()),
+                   std::make_shared<MoeExperts>(stream, group_size, bits, sym,
+                                                norm_weight.has_value(), eps, residual.has_value()),
                    std::move(inputs));
 }
 
@@ -576,7 +582,7 @@ void MoeExperts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     w[p] = &inputs[i++];
     if (q) {
       sc[p] = &inputs[i++];
-      bi[p] = &inputs[i++];
+      if (!(sym_ & (1 << p))) bi[p] = &inputs[i++];
     }
   }
   const mx::array* nw = norm_ ? &inputs[i++] : nullptr;

@@ -54,8 +54,9 @@ class MoeRoute : public mx::Primitive {
 };
 
 // One projection of every expert: w [E, out, in * bits / 32] uint32 with
-// scales, biases [E, out, in / group_size] (bits > 0), or w [E, out, in]
-// float32/float16/bfloat16 (bits == 0, no scales).
+// scales, biases [E, out, in / group_size] (bits > 0; no biases: a symmetric
+// format, bias = -2^(bits-1) * scale, as GGUF's Q4_0 / Q8_0: fewer bytes to
+// read), or w [E, out, in] float32/float16/bfloat16 (bits == 0, no scales).
 struct ExpertWeights {
   mx::array w;
   std::optional<mx::array> scales, biases;
@@ -65,8 +66,8 @@ struct ExpertWeights {
 // nothing); scores [..., k] float. Returns [..., D] in x's dtype (with a
 // norm: the promoted dtype of x and the norm weight, as rms_norm), the sum
 // over k in float32 in choice order, rounded once, then residual added as
-// MLX's add. Inputs of the primitive: x, inds, scores, gate (w[, scales,
-// biases]), up (...), down (...)[, norm_weight][, residual].
+// MLX's add. Inputs of the primitive: x, inds, scores, gate (w[, scales[,
+// biases]]), up (...), down (...)[, norm_weight][, residual].
 mx::array moe_experts(const mx::array& x, const mx::array& inds, const mx::array& scores,
                       const ExpertWeights& gate, const ExpertWeights& up,
                       const ExpertWeights& down, int group_size, int bits,
@@ -75,9 +76,11 @@ mx::array moe_experts(const mx::array& x, const mx::array& inds, const mx::array
 
 class MoeExperts : public mx::Primitive {
  public:
-  MoeExperts(mx::Stream stream, int group_size, int bits, bool norm, float eps, bool residual)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), norm_(norm), eps_(eps),
-        residual_(residual) {}
+  // sym: bit p set when projection p (gate, up, down) has no biases.
+  MoeExperts(mx::Stream stream, int group_size, int bits, int sym, bool norm, float eps,
+             bool residual)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), sym_(sym), norm_(norm),
+        eps_(eps), residual_(residual) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
@@ -85,7 +88,7 @@ class MoeExperts : public mx::Primitive {
   const char* name() const override { return "MlxfastMoeExperts"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const MoeExperts&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && norm_ == o.norm_ &&
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && sym_ == o.sym_ && norm_ == o.norm_ &&
            eps_ == o.eps_ && residual_ == o.residual_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -93,7 +96,7 @@ class MoeExperts : public mx::Primitive {
   }
 
  private:
-  int group_size_, bits_;
+  int group_size_, bits_, sym_;
   bool norm_;
   float eps_;
   bool residual_;

@@ -67,7 +67,8 @@ def moe_route(logits: mx.array, k: int, *, softmax_first: bool = True, normalize
 
 
 def _weights(p):
-    """(w, scales, biases) of a quantized projection, or (w, None, None) dense."""
+    """(w, scales, biases) of a quantized projection (biases None: symmetric),
+    or (w, None, None) dense."""
     if isinstance(p, (tuple, list)):
         if len(p) == 3:
             return tuple(p)
@@ -106,6 +107,8 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, u
 
     def proj(h, p):
         w, s, b = _weights(p)
+        if s is not None and b is None:  # symmetric: bias = -2^(bits-1) * scale
+            b = s * -(2 ** (bits - 1))
         if s is None:
             if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
                 # MLX's CPU gather_mm takes float32 only: compute in float32,
@@ -139,8 +142,9 @@ def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *
     x [..., D] float32/float16/bfloat16; inds [..., k] integer expert ids;
     scores [..., k] float. ``gate``, ``up``: ``(w, scales, biases)`` with w
     ``[E, I, D * bits / 32]`` uint32 and scales/biases ``[E, I, D /
-    group_size]`` (MLX affine quantization), or a dense ``[E, I, D]``
-    array; ``down`` likewise ``[E, D, I ...]``. Returns [..., D] in x's
+    group_size]`` (MLX affine quantization; biases None for a symmetric
+    format, bias = -2^(bits-1) * scale, as GGUF's Q4_0 and Q8_0), or a dense
+    ``[E, I, D]`` array; ``down`` likewise ``[E, D, I ...]``. Returns [..., D] in x's
     dtype. Fused pieces, as the projections take them: ``norm=(weight,
     eps)`` applies ``rms_norm`` to x first (the result then has the promoted
     dtype of x and the weight), ``residual`` (the result's shape and dtype)
