@@ -261,8 +261,33 @@ def test_default_model_over_2_ranks_is_a_clear_start_up_error():
     assert "9 attention heads and 3 KV heads do not divide by 2" in err and "Sizes that divide: 3" in err, err
 
 
-def test_ssd_cache_with_tensor_parallelism_is_refused(tiny, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mlxfast.serve", "--tp", "2", "--model", str(tiny),
-                           "--ssd-cache", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 1 and "--ssd-cache is not supported with tensor parallelism" in proc.stderr
+
+
+def test_ssd_tier_stores_every_ranks_heads_and_restores_them(tiny, tmp_path):
+    """Rank 0's tier writes one file per block holding both ranks' heads
+    (gathered from rank 1) and, after a restart, gives each rank its part."""
+    prompt = " ".join(f"w{i}" for i in range(40, 80))  # 40 words + BOS: 2 full blocks of 16
+    texts, cached, ssd = [], [], []
+    for run in range(2):
+        url, proc = _start_tp(tiny, "--ssd-cache", str(tmp_path / "ssd"), "--max-tokens", "12")
+        try:
+            wait_healthy(url, proc, timeout=120)
+            body = _complete(url, prompt)
+            texts.append(body["choices"][0]["text"])
+            cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            if run == 0:
+                r = httpx.post(url + "/admin/cache/flush", timeout=60)
+                assert r.status_code == 200 and r.json()["durable"], r.text
+            ssd.append(httpx.get(url + "/stats").json()["engine"]["ssd"])
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, proc.communicate()[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    files = list((tmp_path / "ssd").glob("ns-*/*.kv"))
+    assert len(files) >= 2
+    # both ranks' K and V of 2 layers x 2 KV heads x 32 (float16), 16 tokens, + the 4 KiB header
+    assert {f.stat().st_size for f in files} == {4096 + 2 * 2 * 2 * 16 * 2 * 32 * 2}
+    assert cached == [0, 32], (cached, ssd)
+    assert texts[1] == texts[0]
+    assert ssd[1]["restored_blocks"] >= 2, ssd[1]

@@ -244,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import distributed
 
     launched = distributed.launched()
-    if (launched or (tp_size or 1) > 1) and args.ssd_cache:
-        return _fail("--ssd-cache is not supported with tensor parallelism yet")
     if not launched and (tp_size or 1) > 1:  # N ranks of this command on loopback
         _say(f"starting {tp_size} tensor-parallel ranks on loopback (ring backend)")
         return distributed.launch_local(tp_size, sys.argv[1:] if argv is None else list(argv))

@@ -52,8 +52,9 @@ import numpy as np
 
 log = logging.getLogger("mlxfast.tp")
 
-SETUP, STEP, PING, STOP = 1, 2, 3, 4
-_KINDS = {SETUP: "setup", STEP: "step", PING: "ping", STOP: "stop"}
+SETUP, STEP, PING, STOP, KV_READ, KV_WRITE = 1, 2, 3, 4, 5, 6
+_KINDS = {SETUP: "setup", STEP: "step", PING: "ping", STOP: "stop", KV_READ: "kv-read", KV_WRITE: "kv-write"}
+BYTES_CHUNK = 256 << 10  # per rank and collective when blocks' bytes travel (see models/shard.py)
 CAPACITY = 4096  # int32 per message's first collective (16 KiB costs what 64 bytes do: ~70 us)
 _HEAD = 2  # kind, payload length
 
@@ -418,6 +419,92 @@ def decode_step(payload: np.ndarray, block_size: int):
     return tokens, [SeqSlice([tables[g][k] for g in range(G)], starts[k], ns[k]) for k in range(S)]
 
 
+def _pack(arrays) -> mx.array:
+    """Arrays' bytes as one uint8 vector."""
+    return mx.concatenate([a.reshape(-1).view(mx.uint8) for a in arrays])
+
+
+def _unpack(buf, like) -> list[mx.array]:
+    """``_pack``'s inverse: ``like`` is a list of (shape, dtype)."""
+    out, o = [], 0
+    for shape, dtype in like:
+        n = int(np.prod(shape)) * dtype.size
+        out.append(buf[o:o + n].view(dtype).reshape(shape))
+        o += n
+    return out
+
+
+def _all_gather_bytes(x: mx.array, group) -> list[mx.array]:
+    """Every rank's uint8 vector ``x`` (all of one length), in rank order."""
+    size, n = group.size(), x.size
+    pieces = [[] for _ in range(size)]
+    for i in range(0, max(n, 1), BYTES_CHUNK):
+        part = x[i:i + BYTES_CHUNK]
+        g = mx.distributed.all_gather(part, group=group, stream=mx.cpu)
+        mx.eval(g)
+        m = part.size
+        for r in range(size):
+            pieces[r].append(g[r * m:(r + 1) * m])
+    return [mx.concatenate(p) if len(p) > 1 else p[0] for p in pieces]
+
+
+def _broadcast_bytes(x: mx.array, group) -> mx.array:
+    """Rank 0's uint8 vector (the others pass zeros of its length)."""
+    parts = []
+    for i in range(0, max(x.size, 1), BYTES_CHUNK):
+        parts.append(mx.distributed.all_sum(x[i:i + BYTES_CHUNK], group=group, stream=mx.cpu))
+        mx.eval(parts[-1])
+    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+class _ArraySpec:
+    """The shape and dtype of another rank's storage array (all the SSD tier reads of it)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+class ShardedKVPool:
+    """Rank 0's view of every rank's KV pool, for the SSD tier (kv/ssd.py).
+
+    A block's file holds every rank's heads: ``arrays()`` lists rank 0's
+    storage arrays, then each other rank's (the same shapes, the heads divide
+    evenly), ``read_rows`` gathers a block's rows from every rank (KV_READ, one
+    ``all_gather`` per 256 KiB) and ``write_rows`` sends each rank its part
+    of restored blocks (KV_WRITE). The tier's decisions, index and files stay
+    on rank 0, so the ranks cannot disagree on what is cached."""
+
+    def __init__(self, pool, channel: "StepChannel"):
+        self.pool = pool
+        self.channel = channel
+        self.block_size = pool.block_size
+        self.scheme_id = f"{pool.scheme_id}-tp{channel.size}"
+
+    def arrays(self):
+        local = list(self.pool.arrays())
+        return local + [_ArraySpec(a.shape, a.dtype) for _ in range(1, self.channel.size) for a in local]
+
+    def read_rows(self, rows: mx.array) -> list[mx.array]:
+        ch = self.channel
+        idx = np.array(rows, np.int32)
+        with ch.guard("reading KV blocks from the ranks"):
+            ch.send(KV_READ, np.concatenate([[idx.size], idx]))
+            local = self.pool.read_rows(rows)
+            got = _all_gather_bytes(_pack(local), ch.group)
+        like = [(a.shape, a.dtype) for a in local]
+        return local + [a for r in range(1, ch.size) for a in _unpack(got[r], like)]
+
+    def write_rows(self, rows: mx.array, data) -> None:
+        ch = self.channel
+        k = len(data) // ch.size
+        self.pool.write_rows(rows, data[:k])
+        parts = [_pack(data[r * k:(r + 1) * k]) for r in range(1, ch.size)]
+        idx = np.array(rows, np.int32)
+        with ch.guard("writing KV blocks to the ranks"):
+            ch.send(KV_WRITE, np.concatenate([[idx.size], idx, [parts[0].size]]))
+            _broadcast_bytes(mx.concatenate(parts), ch.group)
+
+
 class Follower:
     """A rank other than 0: runs rank 0's model steps on its shard until STOP.
 
@@ -441,6 +528,11 @@ class Follower:
                     self._step(payload)
                 elif kind == SETUP:
                     self._setup(payload)
+                elif kind == KV_READ:
+                    rows = mx.array(payload[1:1 + int(payload[0])])
+                    _all_gather_bytes(_pack(self.pool.read_rows(rows)), ch.group)
+                elif kind == KV_WRITE:
+                    self._write_rows(payload)
                 elif kind == STOP:
                     self.pool = None
                     return
@@ -469,6 +561,16 @@ class Follower:
         gather_rows(self.channel.group, [ok, param_bytes(self.model), kv_bytes, os.getpid()])
         if not ok:
             raise RuntimeError(f"rank {self.channel.rank}: cannot build the KV pool")
+
+    def _write_rows(self, payload: np.ndarray) -> None:
+        """This rank's part of restored blocks (ShardedKVPool.write_rows)."""
+        ch = self.channel
+        n = int(payload[0])
+        rows, nbytes = mx.array(payload[1:1 + n]), int(payload[1 + n])
+        buf = _broadcast_bytes(mx.zeros(((ch.size - 1) * nbytes,), mx.uint8), ch.group)
+        mine = buf[(ch.rank - 1) * nbytes:ch.rank * nbytes]
+        like = [((n, *a.shape[1:]), a.dtype) for a in self.pool.arrays()]
+        self.pool.write_rows(rows, _unpack(mine, like))
 
     def _step(self, payload: np.ndarray) -> None:
         from ..kv.paged import PagedContext

@@ -333,7 +333,12 @@ class Engine:
             if self.config.ssd_cache_dir:
                 from ..kv.ssd import open_tier
 
-                tier = open_tier(self.config, self._namespace, self.pool, self.allocator,
+                pool = self.pool
+                if self.channel is not None:  # one file per block holds every rank's heads
+                    from .distributed import ShardedKVPool
+
+                    pool = ShardedKVPool(self.pool, self.channel)
+                tier = open_tier(self.config, self._namespace, pool, self.allocator,
                                  self.model, self.tokenizer)
                 if tier is not None:
                     self.connector = self.scheduler.connector = tier

@@ -99,3 +99,14 @@ class KVPool:
 
     def arrays(self):
         return self.scheme.arrays()
+
+    def read_rows(self, rows: mx.array) -> list[mx.array]:
+        """Every storage array's ``rows`` (flat slots), in ``arrays()`` order."""
+        return [mx.take(a, rows, axis=0) for a in self.arrays()]
+
+    def write_rows(self, rows: mx.array, data) -> None:
+        """Store ``data`` (one array per storage array) at ``rows``, evaluated."""
+        arrays = self.arrays()
+        for a, src in zip(arrays, data):
+            a[rows] = src
+        mx.eval(arrays)

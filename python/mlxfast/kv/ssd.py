@@ -324,8 +324,7 @@ class SSDTier:
     def _gather(self, blocks: list[int]) -> list[mx.array]:
         bs = self.bs
         rows = (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-        idx = mx.array(rows.astype(np.int32))
-        return [mx.take(a, idx, axis=0) for a in self.pool.arrays()]
+        return self.pool.read_rows(mx.array(rows.astype(np.int32)))
 
     def _submit(self, items: list[tuple[int, bytes]]) -> None:
         """Copy blocks out of the pool now and queue their files."""
@@ -467,10 +466,7 @@ class SSDTier:
             bs = self.bs
             rows = mx.array((np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs))
                             .reshape(-1).astype(np.int32))
-            pool_arrays = self.pool.arrays()
-            for a, src in zip(pool_arrays, arrays):
-                a[rows] = src[: n * bs] if n < n_ok else src
-            mx.eval(pool_arrays)
+            self.pool.write_rows(rows, [src[: n * bs] if n < n_ok else src for src in arrays])
             self.counters["restore_copy_seconds"] += time.perf_counter() - tc
             for b, h in zip(blocks, keys[:n]):
                 self.alloc.register(b, h)
