@@ -130,10 +130,36 @@ def run_model(path: str, group) -> dict | None:
     return out
 
 
+def logits_only(path: str | None, group) -> dict | None:
+    """Teacher-forced logits only (``--logits-only``; path None: the default model)."""
+    rank = group.rank()
+    ref = None
+    if rank == 0:
+        full, _ = load(path)
+        ids = prompts(full.args.vocab_size)[5][:48]
+        ref = teacher_forced(full, ids, 40)
+    model, _ = load(path)
+    D.check_same_model(group, model)
+    info = shard_model(model, group)
+    ids = prompts(info.full_args.vocab_size)[5][:48]
+    tp_logits = teacher_forced(model, ids, 40)
+    if rank != 0:
+        return None
+    diff = np.abs(tp_logits - ref)
+    return {"logits": {"max_abs_diff": float(diff.max()), "max_abs_logit": float(np.abs(ref).max()),
+                       "max_rel_diff": float((diff / (np.abs(ref) + 1.0)).max()),
+                       "argmax_equal": int((tp_logits.argmax(-1) == ref.argmax(-1)).sum()),
+                       "positions": len(ids)},
+            "size": info.size, "param_bytes": info.param_bytes, "full_param_bytes": info.full_param_bytes}
+
+
 def main() -> int:
     out_path, paths = sys.argv[1], sys.argv[2:]
     group = D.init_group(120)
-    results = {p: run_model(p, group) for p in paths}
+    if paths and paths[0] == "--logits-only":
+        results = {p: logits_only(None if p == "default" else p, group) for p in paths[1:]}
+    else:
+        results = {p: run_model(p, group) for p in paths}
     if group.rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
