@@ -649,7 +649,7 @@ def launch_local(n: int, argv: list[str], *, grace_s: float = 15.0) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         os.unlink(hostfile)
-    codes = [p.returncode for p in procs]
+    codes = [128 - c if c < 0 else c for c in (p.returncode for p in procs)]  # killed by signal s: 128 + s
     if codes[0]:
         return codes[0]
     return next((c for c in codes if c), 0)

@@ -238,6 +238,9 @@ def check_draft_model(draft, target) -> None:
         raise ValueError(f"the draft model's vocabulary ({dv} tokens) differs from the target's ({tv}): "
                          "a draft model must share the target's tokenizer")
     ds, ts = (sum(v.nbytes for _, v in tree_flatten(m.parameters())) for m in (draft, target))
+    tp = getattr(target, "tp", None)  # a tensor-parallel shard (models/shard.py): the whole model's size
+    if tp is not None:
+        ts = tp.full_param_bytes
     if ds >= ts:
         raise ValueError(f"the draft model ({ds / 1e6:.0f} MB) is not smaller than the target "
                          f"({ts / 1e6:.0f} MB): drafting with it cannot pay")
