@@ -1,10 +1,10 @@
 """The tensor-parallel server, black box: real ranks on loopback.
 
 * one server under ``mlx.launch -n 2 --backend ring -- python -m mlxfast.serve``
-  (a tiny model with 8 query / 4 KV heads): answers equal one process's
-  (``mlxfast.generate`` in this process), 4 concurrent streams, a prefix
-  hit, a stop string, /health and /stats per rank, a graceful stop that ends
-  every rank;
+  (a tiny model with 8 query / 4 KV heads, n-gram speculative decoding):
+  answers equal one process's (``mlxfast.generate`` in this process), 4
+  concurrent streams, a prefix hit, a stop string, drafts verified, /health
+  and /stats per rank, a graceful stop that ends every rank;
 * ``--tensor-parallel-size 2`` (ranks started by the server itself): a rank
   killed mid-request gives the client a 5xx in the API's error shape and ends
   the server with one clear error (exit 1) within a bounded time; one killed
@@ -69,7 +69,8 @@ def launched(tiny):
         [str(launch), "-n", "2", "--backend", "ring", "--starting-port", str(_ring_port()), "--",
          sys.executable, "-m", "mlxfast.serve", "--model", str(tiny), "--port", str(port),
          "--log-level", "warning", "--max-model-len", "512", "--max-tokens", "16",
-         "--kv-cache-dtype", "float32"],  # the library's dense cache holds float32 too
+         "--kv-cache-dtype", "float32",  # the library's dense cache holds float32 too
+         "--draft-kind", "ngram"],  # drafts ride in the step's tokens: lossless under TP too
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -126,6 +127,12 @@ def test_prefix_hit_and_stop_string(launched, reference):
     stop = " " + words[3]
     cut = _complete(url, PROMPTS[0], stop=[stop])["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == reference[0][:reference[0].index(stop)]
+
+
+def test_speculative_drafts_are_verified_across_ranks(launched, reference):
+    url, _ = launched
+    body = _complete(url, PROMPTS[2] + " w9 w9 w9 w9 w9 w10 w11 w9 w9 w9")
+    assert body["usage"]["speculation"]["drafted"] > 0, body["usage"]
 
 
 def test_health_and_stats_report_every_rank(launched):
