@@ -175,13 +175,13 @@ def _rank_pids(url):
 
 
 def test_a_rank_killed_mid_request_ends_the_server_with_a_5xx(tiny):
-    url, proc = _start_tp(tiny)
+    url, proc = _start_tp(tiny, "--max-model-len", "16384")  # a request that outlasts the kill
     try:
         wait_healthy(url, proc, timeout=120)
         pids = _rank_pids(url)
         with cf.ThreadPoolExecutor(1) as ex:
             fut = ex.submit(httpx.post, url + "/v1/completions", timeout=60, json={
-                "prompt": "w5 w6", "max_tokens": 3000, "temperature": 0, "ignore_eos": True})
+                "prompt": "w5 w6", "max_tokens": 16000, "temperature": 0, "ignore_eos": True})
             time.sleep(1.0)
             assert not fut.done()
             os.kill(pids[1], signal.SIGKILL)

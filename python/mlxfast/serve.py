@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 if tp_size is not None and group.size() != tp_size:
                     raise ValueError(f"--tensor-parallel-size {tp_size} but the launch has {group.size()} ranks")
                 if group.size() > 1:
-                    liveness = distributed.Liveness(group, tp_lost, timeout_s=args.tp_timeout)
+                    liveness = distributed.Liveness(group, tp_lost)
             model, tokenizer = load_model(args.model)
             if group is not None and group.size() > 1:
                 from .models.shard import shard_model
@@ -452,7 +452,7 @@ def _follow(args) -> int:
             print(f"mlxfast: error: rank {rank}: rank 0 is gone; exiting", file=sys.stderr, flush=True)
             os._exit(1)
 
-        distributed.Liveness(group, lost, timeout_s=args.tp_timeout)
+        distributed.Liveness(group, lost)
         model, _ = load_model(args.model)
         distributed.check_same_model(group, model)
         shard_model(model, group)
