@@ -1,14 +1,21 @@
 """Tensor parallelism against one process: 2 ranks on loopback (ring backend,
 started by ``mlx.launch``), tiny random-weight models with 8 query and 4 KV
-heads (float32, tied head; MLX 4-bit, untied head), each rank running
+heads (llama float32, tied head; mistral MLX 4-bit, untied head; Gemma 3
+float32 with sliding-window layers, so two KV groups), each rank running
 tests/tp_worker.py (see there for what it measures).
 
 Tolerance: the all-reduce sums the ranks' partial products in another order
 than one matmul's accumulation, so logits differ in the last bits: every
-teacher-forced logit is within 1e-4 * (|logit| + 1) of one process's
-(measured: 1.6e-5 float32, 1.2e-5 4-bit). Greedy 48-token continuations
+teacher-forced logit (float32 dense cache) is within 1e-4 * (|logit| + 1)
+of one process's (measured: 1.6e-5 float32, 1.2e-5 4-bit). The engine's KV
+is float16 or 8-bit, whose rounding turns a last-bit change of k or v into a
+code step now and then: through the paged path with the engine's scheme,
+TP moves a logit by up to 4e-4..4e-3 with float16 KV and 1e-2 with 8-bit KV
+(measured; bounded here at 0.01 and 0.05). Greedy 48-token continuations
 must be identical on at least 5 of 6 prompts, and a difference may only
-start where the one-process top-2 logit margin is a near-tie (< 1e-3).
+start at a near-tie: where the one-process top-2 margin, with the same KV
+scheme, is below max(1e-3, twice what TP moves a logit by with that scheme)
+(measured once: Gemma 3, 8-bit KV, a margin of 0.003 against 0.013).
 
 The default model (9 query heads, 3 KV heads) does not divide by 2 (its
 refusal: tests/test_tp_shard.py and tests/test_tp_server.py); over 3 ranks
@@ -33,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TP_MODEL = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
             "intermediate_size": 512}
 MODELS = {"f32": dict(model_type="llama"),
-          "q4": dict(model_type="mistral", quantize={"group_size": 64, "bits": 4})}
+          "q4": dict(model_type="mistral", quantize={"group_size": 64, "bits": 4}),
+          # sliding-window and full layers: two KV groups, two block tables per sequence
+          "gemma3": dict(model_type="gemma3_text")}
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +98,11 @@ def test_greedy_continuations_match_one_process(results, name, kv):
     assert tp["finish"] == ["length"] * 6 and all(len(t) == 48 for t in tp["tokens"])
     same = sum(a == b for a, b in zip(ref["tokens"], tp["tokens"]))
     assert same >= 5, r["differences"]
+    moved = r["scheme_logit_diff"][kv]  # the most TP moves a teacher-forced logit with this KV scheme
+    assert moved <= (0.01 if kv == "off" else 0.05), moved
     for prompt, at, margin in r["differences"].get(kv, []):
-        assert margin < 1e-3, f"prompt {prompt} differs at token {at} where the top-2 margin is {margin}"
+        assert margin < max(1e-3, 2 * moved), \
+            f"prompt {prompt} differs at token {at} where the top-2 margin is {margin} (TP moves logits {moved})"
 
 
 @pytest.mark.parametrize("name", MODELS)

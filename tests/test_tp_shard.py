@@ -31,7 +31,7 @@ def group():
     return mx.distributed.init()  # not launched: a singleton group (all_sum = identity)
 
 
-@pytest.fixture(scope="module", params=["llama-f32", "qwen2-bias", "llama-q4", "phi3"])
+@pytest.fixture(scope="module", params=["llama-f32", "qwen2-bias", "llama-q4", "phi3", "gemma3"])
 def tiny(request, tmp_path_factory):
     kind = request.param
     out = tmp_path_factory.mktemp("tp") / kind
@@ -41,15 +41,22 @@ def tiny(request, tmp_path_factory):
         return make_tiny_model(out, "qwen2", **TP_MODEL)
     if kind == "llama-q4":
         return make_tiny_model(out, "mistral", quantize={"group_size": 64, "bits": 4}, **TP_MODEL)
+    if kind == "gemma3":  # q/k norms, GELU MLP without a residual (a norm follows it), sliding layers
+        return make_tiny_model(out, "gemma3_text", **TP_MODEL)
     return make_tiny_model(out, "phi3", **TP_MODEL)
 
 
 def _attn_and_mlp(model, layer, x):
+    """The layer's attention and MLP outputs, each with x as its residual
+    (Gemma 3's MLP takes none: a norm follows it)."""
     blk = model.layers[layer]
     cache = DenseKVCache.for_model(model)
     pos = token_positions(cache.offsets, *x.shape[:2])
     a = blk.self_attn(x, cache, pos, norm=blk.input_layernorm, residual=x)
-    m = blk.mlp(x, norm=blk.post_attention_layernorm, residual=x)
+    if model.model_type == "gemma3_text":
+        m = x + blk.mlp(x, norm=blk.pre_feedforward_layernorm)
+    else:
+        m = blk.mlp(x, norm=blk.post_attention_layernorm, residual=x)
     return a, m
 
 

@@ -49,6 +49,30 @@ def teacher_forced(model, ids, prefill: int):
     return np.concatenate([np.array(o[0].astype(mx.float32)) for o in outs])
 
 
+def paged_logits(model, ids, kv_quant, chunk: int = 16):
+    """Teacher-forced logits [len(ids), V] through PagedContext over a pool of
+    the engine's scheme (dense: its float16 default; quantized: groups of 32),
+    ``chunk`` tokens a call."""
+    from mlxfast.kv.block_pool import KVPool, default_kv_dtype
+    from mlxfast.kv.paged import PagedContext, SeqSlice
+    from mlxfast.kv.schemes import parse_kv_quant
+
+    layers = model.kv_layers
+    dtype = default_kv_dtype(model.dtype) if kv_quant == "off" else model.dtype
+    spec = parse_kv_quant(kv_quant, head_dim=layers[0].head_dim, dtype=dtype, group_size=32)
+    bs, nb = 16, -(-len(ids) // 16)
+    pool = KVPool(layers, nb * 8, bs, dtype, kv_quant=spec, release=False)
+    table = list(range(nb))
+    outs = []
+    for start in range(0, len(ids), chunk):
+        m = min(chunk, len(ids) - start)
+        ctx = PagedContext(pool, [SeqSlice([table], start, m)])
+        out = model(mx.array(ids[start:start + m])[:, None], ctx, logit_rows=mx.array(list(range(m))))
+        mx.eval(out)
+        outs.append(np.array(out.reshape(m, -1).astype(mx.float32)))
+    return np.concatenate(outs)
+
+
 async def _collect(engine, req, delay=0.0):
     await asyncio.sleep(delay)
     toks, fin = [], None
@@ -87,11 +111,11 @@ def engine_run(model, tok, kv_quant, channel=None):
             "kv_scheme": stats["kv_scheme"], "error": stats["error"]}
 
 
-def margin_at(model, prompt, ref, got):
+def margin_at(model, prompt, ref, got, kv_quant):
     """Where two continuations first differ: (index, top-1 minus top-2 logit of
-    the one-process model there)."""
+    the one-process model there, with the run's KV scheme)."""
     k = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
-    logits = teacher_forced(model, prompt + ref[:k], len(prompt) + k)[-1]
+    logits = paged_logits(model, prompt + ref[:k], kv_quant)[-1]
     top = np.sort(logits)[::-1]
     return k, float(top[0] - top[1])
 
@@ -103,12 +127,14 @@ def run_model(path: str, group) -> dict | None:
         full, tok = load(path)
         ids = prompts(full.args.vocab_size)[5][:48]
         out["ref_logits"] = teacher_forced(full, ids, 32)
+        out["ref_paged"] = {k: paged_logits(full, ids, k) for k in KV_SCHEMES}
         out["ref"] = {k: engine_run(full, tok, k) for k in KV_SCHEMES}
     model, tok = load(path)
     D.check_same_model(group, model)
     info = shard_model(model, group)
     ids = prompts(info.full_args.vocab_size)[5][:48]
     tp_logits = teacher_forced(model, ids, 32)
+    tp_paged = {k: paged_logits(model, ids, k) for k in KV_SCHEMES}
     if rank != 0:
         for _ in KV_SCHEMES:
             D.Follower(model, D.StepChannel(group)).run()
@@ -120,12 +146,15 @@ def run_model(path: str, group) -> dict | None:
                      "max_rel_diff": float((diff / (np.abs(ref_logits) + 1.0)).max()),
                      "argmax_equal": int((tp_logits.argmax(-1) == ref_logits.argmax(-1)).sum()),
                      "positions": len(ids)}
+    ref_paged = out.pop("ref_paged")
+    # what tensor parallelism moves a logit by, with each KV scheme (teacher-forced, paged)
+    out["scheme_logit_diff"] = {k: float(np.abs(tp_paged[k] - ref_paged[k]).max()) for k in KV_SCHEMES}
     out["differences"] = {}
     for k in KV_SCHEMES:
         for i, (a, b) in enumerate(zip(out["ref"][k]["tokens"], out["tp"][k]["tokens"])):
             if a != b:
                 out["differences"].setdefault(k, []).append([i, *margin_at(full, prompts(full.args.vocab_size)[i],
-                                                                             a, b)])
+                                                                             a, b, k)])
     out["full_param_bytes"] = info.full_param_bytes
     return out
 
