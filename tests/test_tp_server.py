@@ -203,6 +203,37 @@ def test_a_rank_killed_mid_request_ends_the_server_with_a_5xx(tiny):
             proc.kill()
 
 
+def test_no_rank_outlives_a_killed_supervisor(tiny):
+    """SIGKILL to --tp's supervisor (a test harness or an OOM killer): its ranks end too."""
+    url, proc = _start_tp(tiny)
+    pids = []
+    try:
+        wait_healthy(url, proc, timeout=120)
+        pids = _rank_pids(url)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in pids if _running(p)]
+            time.sleep(0.2)
+        assert alive == [], f"ranks {alive} outlived their supervisor"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in pids:  # what the assertion found left over: not left to burn the CPU
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
 def test_a_rank_killed_while_idle_is_noticed_by_the_heartbeat(tiny):
     url, proc = _start_tp(tiny)
     try:

@@ -667,6 +667,18 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _die_with_supervisor() -> None:
+    """In a rank, before exec (Linux): SIGTERM when the supervisor dies, even
+    by SIGKILL, so that no rank outlives it (an orphaned follower busy-polls
+    the ring forever)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def launch_local(n: int, argv: list[str], *, grace_s: float = 15.0) -> int:
     """Run ``python -m mlxfast.serve argv`` as ``n`` ring ranks on loopback and
     supervise them: SIGINT/SIGTERM go to rank 0 (which stops the others), a
@@ -686,7 +698,8 @@ def launch_local(n: int, argv: list[str], *, grace_s: float = 15.0) -> int:
         env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=hostfile, MLXFAST_TP_BACKEND="ring")
         env.setdefault("MLXFAST_NUM_THREADS", threads)
         env.setdefault("MLX_NUM_THREADS", threads)
-        procs.append(subprocess.Popen([sys.executable, "-m", "mlxfast.serve", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "mlxfast.serve", *argv], env=env,
+                                      preexec_fn=_die_with_supervisor if sys.platform == "linux" else None))
 
     def forward(sig, frame):
         if procs[0].poll() is None:
