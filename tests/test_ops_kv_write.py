@@ -96,3 +96,15 @@ def test_pair_copies_when_another_reference_exists():
                                mx.ones((1, 2)))
     mx.eval(nk, nv)
     assert float(nk.sum()) == 2.0 and float(nv.sum()) == 2.0 and float(held.sum()) == 0.0
+
+
+def test_pair_falls_back_to_the_reference_off_the_cpu(monkeypatch):
+    """Where no native kernel runs (Metal, CUDA), the pair is the reference's."""
+    monkeypatch.setattr(ops.dispatch, "on_cpu", lambda stream=None: False)
+    kp, vp = mx.zeros((8, 2, 4)), mx.zeros((8, 2, 4))
+    slots = mx.array([5, 1], dtype=mx.int32)
+    k, v = mx.ones((2, 2, 4)), mx.full((2, 2, 4), 2.0)
+    got = ops.kv_write_pair(kp, vp, slots, k, v)
+    assert got is not None
+    assert mx.array_equal(got[0][5], k[0]).item() and mx.array_equal(got[1][1], v[1]).item()
+    assert mx.array_equal(got[0][0], mx.zeros((2, 4))).item()

@@ -49,6 +49,7 @@ def kv_write_pair(k_pool: mx.array, v_pool: mx.array, slots: mx.array, k: mx.arr
     if dispatch.on_cpu(stream):
         k_pool, v_pool = _ext.kv_write_pair(k_pool, v_pool, slots, k, v, inplace=inplace, stream=stream)
         return k_pool, v_pool
+    return kv_write_pair_reference(k_pool, v_pool, slots, k, v)
 
 
 def has_native_paged_attention(stream=None) -> bool:
