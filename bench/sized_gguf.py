@@ -31,17 +31,11 @@ _SCALE_OFFSET = 0  # Q4_0 and Q8_0 blocks start with their fp16 scale
 
 
 def _byte_chars() -> list[str]:
-    """GPT-2's byte-to-unicode table (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
+    """GPT-2's byte-to-unicode table (the byte-level BPE alphabet), in byte order."""
+    from mlxfast.text.tokenizer import _bytes_to_unicode
+
+    table = _bytes_to_unicode()
+    return [table[b] for b in range(256)]
 
 
 def random_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
