@@ -294,11 +294,12 @@ def test_chat_streams_and_keeps_history(driver, web_server):
     partial = list(dict.fromkeys(t for busy, t in seen if busy == "true" and t))  # distinct, in order
     final = _assistants(d)[0].find_element("css selector", ".content").get_attribute("textContent")
     # Streamed: part of the answer was on the page while the reply was still
-    # coming (texts that grow, each short of the whole). How many distinct
-    # partial texts the recorder catches depends on how the chunks are batched
-    # into the browser's tasks on a loaded machine, so one is enough.
-    assert final and partial, f"the answer did not stream: {seen}"
-    assert all(len(a) < len(b) for a, b in zip(partial, partial[1:])) and len(partial[-1]) < len(final), partial
+    # coming (texts that grow, the first short of the whole; the whole may show
+    # before the busy flag drops). How many distinct texts the recorder catches
+    # depends on how chunks batch into the browser's tasks on a loaded machine,
+    # so one partial one is enough.
+    assert final and partial and len(partial[0]) < len(final), f"the answer did not stream: {seen}"
+    assert all(len(a) < len(b) for a, b in zip(partial, partial[1:])), partial
     assert d.find_element("id", "input").get_attribute("value") == ""
     assert d.find_elements("css selector", '[data-role="user"]')[0].text == q1
     usage = d.find_element("id", "usage")
