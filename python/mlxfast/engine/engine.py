@@ -510,8 +510,7 @@ class Engine:
         rows = plan.sample_rows
         results = self._verify(logits.sample, rows) if rows else []
         if self.drafter is not None:  # what a step costs, for choosing the drafts worth verifying
-            self.drafter.cost.observe(plan.num_tokens, sum(1 + len(r.draft) for r in rows),
-                                      time.perf_counter() - t0)
+            self.drafter.cost.observe(plan.num_tokens, time.perf_counter() - t0)
         by_seq = {r.seq: res for r, res in zip(rows, results)}
         updates = sched.update(plan, [[res.token for res in row_results] for row_results in results])
         self.num_steps += 1
@@ -604,8 +603,9 @@ class Engine:
                     accepted.append(res[j + 1])
                 n_acc = len(accepted) - 1
             out.append(accepted)
+            if r.seq.data.spec is not None:
+                self.drafter.verified(r.seq, r.start + r.n, [s.token for s in accepted], len(r.draft), n_acc)
             if r.draft:
-                self.drafter.verified(r.seq, r.start + r.n, len(r.draft), n_acc)
                 self.spec_drafts += 1
                 self.spec_draft_tokens += len(r.draft)
                 self.spec_accepted_tokens += n_acc

@@ -401,7 +401,7 @@ class Scheduler:
         if not rows:
             return
         sampled = len(plan.sample_rows)
-        drafts = self.drafter.draft([(row.seq, k) for row, k in rows], plan.num_tokens, sampled, sampled)
+        drafts = self.drafter.draft([(row.seq, k) for row, k in rows], plan.num_tokens, sampled)
         for (row, _), draft in zip(rows, drafts):
             draft = draft[:budget]
             if not draft:

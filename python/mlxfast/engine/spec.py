@@ -13,21 +13,28 @@ dictionary lookup per n, whatever the context length.
 
 Verifying is not free: each draft token is one more token through the model
 and one more row of the output head and the sampler (on the default model,
-on 2 cores: about 0.5 ms at one stream, where a step takes 6 ms; more per
-token at eight streams). So a step takes a draft token only where it pays:
-``Acceptance`` estimates each row's chance that its next draft token is
-accepted (a draft's j-th token then comes with probability alpha^j),
-``StepCost`` fits the step time to the step's tokens and output rows as they
-are measured, and ``select`` adds draft tokens, best first, while each raises
-the step's expected tokens per second. A row that copies nothing, or a batch
-where verification costs more than it brings, decodes plainly.
+on 2 cores, a draft token costs about what a seventh of a one-row step
+does, and it is compute, where one row is streaming weights). So a step takes
+a draft token only where it pays: ``MatchAcceptance`` estimates a prompt-lookup
+token's chance of acceptance from the length of the context match behind it
+(scoring every proposal against what its step produced, drafted or not),
+``Acceptance`` a draft-model row's from its recent drafts, ``StepCost``
+learns the step time by the number of tokens the step computes, and
+``select`` takes the most likely draft tokens, as many as give the most
+expected tokens per second. A row that copies nothing, or a batch where
+verification costs more than it brings, decodes plainly.
 """
 
 from __future__ import annotations
 
+MATCH_CAP = 32  # context matches are measured up to this length
+
 
 class NgramProposer:
-    """Prompt-lookup drafts for one sequence."""
+    """Prompt-lookup drafts for one sequence. After ``propose``, ``match``
+    is how many trailing tokens of the sequence agree with the context of
+    the occurrence it drafted from (at least the n-gram's length; 0 when it
+    proposed nothing): the best predictor of a draft's acceptance."""
 
     def __init__(self, n_min: int = 1, n_max: int = 4):
         if not 1 <= n_min <= n_max:
@@ -36,6 +43,7 @@ class NgramProposer:
         # n -> {n-gram: the index just past its latest occurrence that is not the sequence's end}
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(n_min, n_max + 1)}
         self._indexed = 0  # n-grams ending before this index are in the index
+        self.match = 0
 
     def _grow(self, tokens: list[int]) -> None:
         """Index the n-grams ending before the last token (the suffix itself is
@@ -47,21 +55,84 @@ class NgramProposer:
         self._indexed = max(self._indexed, end + 1)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
+        self.match = 0
         if k <= 0 or len(tokens) < self.n_min + 1:
             return []
         self._grow(tokens)
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
             at = self._index[n].get(tuple(tokens[-n:]))
             if at is not None:
+                match, end = n, len(tokens)
+                while match < MATCH_CAP and at - match > 0 and tokens[at - match - 1] == tokens[end - match - 1]:
+                    match += 1
+                self.match = match
                 return tokens[at:at + k]
         return []
 
 
+class MatchAcceptance:
+    """The chance that a prompt-lookup draft token is accepted, given the
+    length of the context match behind it (``NgramProposer.match``; a
+    token's own match is the proposal's plus the draft tokens before it):
+    decayed counts per band of match lengths over a uniform prior, shared
+    by every row, and read as never lower for a longer match than for a
+    shorter one already seen. Measured on the default model (greedy, code
+    and prose): a 1-token match is right 12-24% of the time, a 4-token one
+    70-87%, one of 17 or more 88-99%, so the length says far more than a
+    row's history does."""
+
+    DECAY = 0.99  # per observation in a band
+    BANDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # a band's longest match
+
+    def __init__(self):
+        import bisect
+
+        cap = MATCH_CAP
+        self._band = [min(bisect.bisect_left(self.BANDS, m), len(self.BANDS) - 1) for m in range(cap + 1)]
+        self.cap = cap
+        self.hits = [0.0] * len(self.BANDS)
+        self.trials = [0.0] * len(self.BANDS)
+        self._rates = [0.5] * len(self.BANDS)
+
+    def band(self, match: int) -> int:
+        return self._band[min(max(match, 1), self.cap)]
+
+    def rate(self, match: int) -> float:
+        return self._rates[self.band(match)]
+
+    def chances(self, match: int, n: int) -> list[float]:
+        """The chance that each of a proposal's first n tokens is accepted
+        with every token before it."""
+        out, p = [], 1.0
+        for j in range(n):
+            p *= self.rate(match + j)
+            out.append(p)
+        return out
+
+    def observe(self, match: int, proposal: list[int], produced: list[int]) -> None:
+        """Score a proposal against the tokens its step produced: its j-th
+        token is a trial at match + j while the ones before it agreed."""
+        for j in range(min(len(proposal), len(produced))):
+            b = self.band(match + j)
+            hit = proposal[j] == produced[j]
+            self.hits[b] = self.hits[b] * self.DECAY + hit
+            self.trials[b] = self.trials[b] * self.DECAY + 1.0
+            if not hit:
+                break
+        top = 0.0  # the best of the shorter bands seen
+        for b, (h, t) in enumerate(zip(self.hits, self.trials)):
+            r = (h + 1.0) / (t + 2.0)
+            self._rates[b] = max(top, r)
+            if t >= 1.0:
+                top = max(top, r)
+
+
 class Acceptance:
-    """A row's chance that a draft token is accepted, given the ones before
-    it were: accepted and rejected draft tokens counted with decay (recent
-    drafts weigh most) over a uniform prior. The counts also decay on steps
-    without drafts, so a row that stopped drafting tries again later."""
+    """A draft model row's chance that a draft token is accepted, given the
+    ones before it were: accepted and rejected draft tokens counted with
+    decay (recent drafts weigh most) over a uniform prior. The counts also
+    decay on steps without drafts, so a row that stopped drafting tries
+    again later."""
 
     DECAY = 0.7  # per verified draft
     IDLE_DECAY = 0.95  # per step without one
@@ -84,65 +155,79 @@ class Acceptance:
 
 
 class StepCost:
-    """Step time ~ base + per_token * tokens + per_row * output rows, fitted
-    by recursive least squares with forgetting over the steps measured (a
-    prior keeps it sane before there are any). Kept in milliseconds, where
-    the measurement noise is of order one."""
+    """Step time by the number of tokens the step computes: a running
+    average per count (counts past 256 in buckets of 64), read between
+    counts by linear interpolation, past the ends along a prior slope, and
+    never lower than at a smaller count. Not a line: one row streams the
+    weights, each further token adds compute, and kernels change paths
+    with the number of rows (measured on the default model, 2 cores: 1 row
+    and 1, 2, 4, 8 draft tokens 13.8, 15.0, 16.4, 19.5, 32 ms; 8 rows and
+    as many drafts each 29.5, 34.3, 42.4, 59.1, 77.6 ms; a loaded machine)."""
 
-    FORGET = 0.995
+    SMOOTH = 0.2
 
-    def __init__(self, base: float = 5e-3, per_token: float = 2e-4, per_row: float = 3e-4):
-        import numpy as np
+    def __init__(self, base: float = 5e-3, per_token: float = 5e-4):
+        self.base, self.per_token = base, per_token
+        self._counts: list[int] = []  # sorted
+        self._seconds: list[float] = []  # running average at each count
+        self._floor: list[float] = []  # running maximum of those, by count
 
-        self._np = np
-        self.prior = np.array([base, per_token, per_row]) * 1e3
-        self.P0 = np.diag([25.0, 0.25, 0.25])  # prior variance (ms^2)
-        self.theta, self.P = self.prior.copy(), self.P0.copy()
+    @staticmethod
+    def _bucket(tokens: int) -> int:
+        return tokens if tokens <= 256 else tokens // 64 * 64
 
-    def observe(self, tokens: int, rows: int, seconds: float) -> None:
-        np = self._np
-        x = np.array([1.0, tokens, rows])
-        Px = self.P @ x
-        gain = Px / (self.FORGET + x @ Px)
-        self.theta = self.theta + gain * (seconds * 1e3 - x @ self.theta)
-        self.P = (self.P - np.outer(gain, Px)) / self.FORGET
-        # Decode steps have as many tokens as output rows, so one direction is
-        # never observed and forgetting would grow its variance without bound:
-        # keep the covariance within the prior's (and start over on a blow-up).
-        trace = np.trace(self.P)
-        if not (np.isfinite(trace) and np.isfinite(self.theta).all()):
-            self.theta, self.P = self.prior.copy(), self.P0.copy()
-        elif trace > np.trace(self.P0):
-            self.P *= np.trace(self.P0) / trace
+    def observe(self, tokens: int, seconds: float) -> None:
+        import bisect
 
-    def seconds(self, tokens: int, rows: int) -> float:
-        return max(1e-6, float(self.theta @ (1.0, tokens, rows)) * 1e-3)
+        k = self._bucket(tokens)
+        i = bisect.bisect_left(self._counts, k)
+        if i < len(self._counts) and self._counts[i] == k:
+            self._seconds[i] += self.SMOOTH * (seconds - self._seconds[i])
+        else:
+            self._counts.insert(i, k)
+            self._seconds.insert(i, seconds)
+        top, self._floor = 0.0, []
+        for v in self._seconds:
+            top = max(top, v)
+            self._floor.append(top)
 
-    @property
-    def per_draft_token(self) -> float:
-        """What one more draft token costs: a token and an output row."""
-        return max(1e-6, float(self.theta[1] + self.theta[2]) * 1e-3)
+    def seconds(self, tokens: int) -> float:
+        import bisect
+
+        counts, vals = self._counts, self._floor
+        if not counts:
+            return self.base + self.per_token * tokens
+        i = bisect.bisect_left(counts, tokens)
+        if i < len(counts) and counts[i] == tokens:
+            return vals[i]
+        if i == 0:
+            return max(1e-6, vals[0] - self.per_token * (counts[0] - tokens))
+        if i == len(counts):
+            return vals[-1] + self.per_token * (tokens - counts[-1])
+        lo, hi = counts[i - 1], counts[i]
+        return vals[i - 1] + (vals[i] - vals[i - 1]) * (tokens - lo) / (hi - lo)
 
 
-def select(candidates: list[tuple[float, int]], tokens: int, rows: int, sampled: int,
-           cost: StepCost) -> list[int]:
-    """How many draft tokens each candidate row verifies. ``candidates`` are
-    (alpha, tokens proposed) per row; the step already computes ``tokens``
-    tokens and ``rows`` output rows and yields ``sampled`` tokens. Draft
-    tokens go in by their chance of being accepted (alpha^j for a row's j-th),
-    each while it raises expected tokens per second."""
-    order = sorted(((alpha ** j, i) for i, (alpha, n) in enumerate(candidates) for j in range(1, n + 1)),
-                   reverse=True)
+def select(candidates: list[list[float]], tokens: int, sampled: int, cost: StepCost) -> list[int]:
+    """How many draft tokens each candidate row verifies. ``candidates``
+    are, per row, the chance that each of its proposed tokens is accepted
+    with those before it (non-increasing); the step already computes
+    ``tokens`` tokens and yields ``sampled``. Draft tokens go in by their
+    chance, and the step takes the first so many of them that give the
+    most expected tokens per second (the cost is not linear, so not only
+    while each one pays)."""
+    order = sorted(((p, i) for i, ps in enumerate(candidates) for p in ps), reverse=True)
     take = [0] * len(candidates)
-    expected = float(sampled)
-    seconds = max(cost.seconds(tokens, rows), 1e-6)
-    extra = cost.per_draft_token
-    for value, i in order:
-        if (expected + value) * seconds <= expected * (seconds + extra):
-            break  # this one and every later one (worth less) would lower the rate
+    expected, best_rate, best = float(sampled), sampled / cost.seconds(tokens), 0
+    for n, (p, _) in enumerate(order, 1):
+        if p <= 0:
+            break
+        expected += p
+        rate = expected / cost.seconds(tokens + n)
+        if rate > best_rate:
+            best_rate, best = rate, n
+    for _, i in order[:best]:
         take[i] += 1
-        expected += value
-        seconds += extra
     return take
 
 
@@ -163,15 +248,14 @@ class RowSpec:
     def __init__(self, n_min: int, n_max: int, forced: bool = False):
         self.forced = forced  # a grammar row: its drafts are the tokens the grammar forces next
         self.proposer = NgramProposer(n_min, n_max)
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance()  # a draft model's rows
         self.draft = None  # its state in a draft model's pool (engine/draft.py)
+        self.proposal = None  # this step's prompt-lookup proposal, scored by Drafter.verified
+        self.proposed_at = -1  # the sequence's length when it was made
+        self.match = 0  # its context match (NgramProposer.match)
         self.drafted = 0
         self.accepted = 0
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.acceptance.observe(drafted, accepted)
-        self.drafted += drafted
-        self.accepted += accepted
 
 
 class Drafter:
@@ -184,43 +268,65 @@ class Drafter:
         self.k_max = k_max
         self.draft_model = draft_model
         self.cost = StepCost()
+        self.lookup = MatchAcceptance()  # prompt lookup's acceptance, by match length
 
-    def draft(self, rows: list[tuple[object, int]], tokens: int, out_rows: int, sampled: int) -> list[list[int]]:
+    def draft(self, rows: list[tuple[object, int]], tokens: int, sampled: int) -> list[list[int]]:
         """Drafts for ``(seq, at most k)`` rows of a step that computes
-        ``tokens`` tokens and ``out_rows`` output rows and yields ``sampled``
-        tokens: proposals cut to what ``select`` finds worth verifying."""
+        ``tokens`` tokens and yields ``sampled`` tokens: proposals cut to
+        what ``select`` finds worth verifying."""
         out: list[list[int]] = [[] for _ in rows]
         live = [(i, seq, min(k, self.k_max)) for i, (seq, k) in enumerate(rows)
                 if getattr(seq.data, "spec", None) is not None and k > 0]
         if not live:
             return out
         specs = [seq.data.spec for _, seq, _ in live]
-        forced = [sp.forced for sp in specs]
         proposals: list[list[int]] = [[] for _ in live]
+        chances: list[list[float]] = []
         for j, (sp, (_, seq, k)) in enumerate(zip(specs, live)):
             if sp.forced:  # free, and certain: the grammar allows nothing else
                 proposals[j] = list(seq.data.sampling.matcher.compute_ff_tokens())[:k]
+                chances.append([1.0] * len(proposals[j]))
             elif self.draft_model is None:  # prompt lookup proposes for free
                 proposals[j] = sp.proposer.propose(seq.tokens, k)
-        if self.draft_model is None:  # choose among the proposals
-            take = select([(1.0 if f else sp.acceptance.alpha, len(p))
-                           for sp, f, p in zip(specs, forced, proposals)], tokens, out_rows, sampled, self.cost)
-        else:  # a draft model's tokens cost a forward each: choose lengths first
-            take = select([(1.0, len(p)) if f else (sp.acceptance.alpha, k)
-                           for sp, f, p, (_, _, k) in zip(specs, forced, proposals, live)],
-                          tokens, out_rows, sampled, self.cost)
-            drafted = self.draft_model.propose([(seq, 0 if f else n)
-                                                for (_, seq, _), f, n in zip(live, forced, take)])
-            proposals = [p if f else d for p, f, d in zip(proposals, forced, drafted)]
-        for sp, (i, _, _), p, n in zip(specs, live, proposals, take):
+                sp.match = sp.proposer.match
+                chances.append(self.lookup.chances(sp.match, len(proposals[j])))
+            else:  # a draft model's tokens cost a forward each: choose lengths first
+                a = sp.acceptance.alpha
+                chances.append([a ** n for n in range(1, k + 1)])
+        take = select(chances, tokens, sampled, self.cost)
+        if self.draft_model is not None:
+            drafted = self.draft_model.propose([(seq, 0 if sp.forced else n)
+                                                for (_, seq, _), sp, n in zip(live, specs, take)])
+            proposals = [p if sp.forced else d for p, sp, d in zip(proposals, specs, drafted)]
+        for sp, (i, seq, _), p, n in zip(specs, live, proposals, take):
             out[i] = list(p[:n])
-            if not out[i]:
+            # a free proposal is scored against what the step produces, taken or not
+            sp.proposal = p if self.draft_model is None and not sp.forced and p else None
+            sp.proposed_at = len(seq.tokens)
+            if not out[i] and self.draft_model is not None:
                 sp.acceptance.idle()
         return out
 
-    def verified(self, seq, old_len: int, drafted: int, accepted: int) -> None:
-        seq.data.spec.observe(drafted, accepted)
-        if self.draft_model is not None:
+    def verified(self, seq, old_len: int, produced: list[int], drafted: int, accepted: int) -> None:
+        """A step's outcome for a row it drafted for, or proposed to: the
+        tokens it produced (``accepted`` drafts, then, unless its grammar
+        ended there, the token after them)."""
+        sp = seq.data.spec
+        proposal, sp.proposal = sp.proposal, None
+        if sp.proposed_at != len(seq.tokens):  # proposed for a step that did not run (preempted)
+            proposal = None
+        if drafted:
+            sp.drafted += drafted
+            sp.accepted += accepted
+        if proposal is not None:
+            # Prompt lookup: score the proposal as far as the produced tokens
+            # reach, drafted or not. Scoring only what was verified would
+            # leave a length whose prior is below a step's threshold (as at
+            # eight streams) never drafted, and so never learnt.
+            self.lookup.observe(sp.match, proposal, produced)
+        elif drafted and self.draft_model is not None:
+            sp.acceptance.observe(drafted, accepted)
+        if self.draft_model is not None and drafted:
             self.draft_model.accepted(seq, old_len, drafted, accepted)
 
     def release(self, seq) -> None:
