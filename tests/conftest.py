@@ -49,6 +49,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free base port for an MLX ring (mlx.launch takes base, base + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", 0))
+                port = a.getsockname()[1]
+                b.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two free consecutive ports")
+
+
 def start_server(port: int, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(

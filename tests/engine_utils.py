@@ -62,6 +62,30 @@ class ToyTokenizer:
         return ToyDetok(self)
 
 
+def reference_proposer(vocab: int, wrong_every: int):
+    """A prompt-lookup stand-in (``engine.spec.NgramProposer``'s interface)
+    that drafts what decoding without speculation gives next (``REFERENCE``:
+    prompt tuple -> reference tokens), every ``wrong_every``-th position
+    wrong, so drafts are both accepted and rejected."""
+
+    class ReferenceProposer:
+        REFERENCE: dict[tuple, list[int]] = {}
+        match = 1
+
+        def __init__(self, n_min, n_max):
+            pass
+
+        def propose(self, tokens, k):
+            for prompt, out in self.REFERENCE.items():
+                if tuple(tokens[:len(prompt)]) == prompt:
+                    draft = (list(prompt) + out)[len(tokens):len(tokens) + k]
+                    return [(t + 1) % vocab if (len(tokens) + j) % wrong_every == 0 else t
+                            for j, t in enumerate(draft)]
+            return []
+
+    return ReferenceProposer
+
+
 def dense_greedy(model, prompt, n):
     """Greedy tokens from a plain dense-cache forward: the engine's oracle."""
     from mlxfast.kv import DenseKVCache

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from engine_utils import ToyTokenizer, dense_greedy, greedy, run_requests
+from engine_utils import ToyTokenizer, dense_greedy, greedy, reference_proposer, run_requests
 from mlxfast.engine.api import Request
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
@@ -71,23 +71,7 @@ def test_kv_schemes_batched_equal_solo(model, quant):
     assert fin.cached_tokens == 24 and hit == solo[2]
 
 
-class _Oracle:
-    """Drafts the continuation decoding without speculation gives, every
-    fourth position wrong (as tests/test_engine_spec.py's oracle)."""
-
-    REFERENCE: dict = {}
-    match = 1
-
-    def __init__(self, n_min, n_max):
-        pass
-
-    def propose(self, tokens, k):
-        for prompt, out in self.REFERENCE.items():
-            if tuple(tokens[:len(prompt)]) == prompt:
-                draft = (list(prompt) + out)[len(tokens):len(tokens) + k]
-                return [(t + 1) % VOCAB if (len(tokens) + j) % 4 == 0 else t
-                        for j, t in enumerate(draft)]
-        return []
+_Oracle = reference_proposer(VOCAB, 4)
 
 
 def test_speculative_decoding_changes_no_token(model, monkeypatch):

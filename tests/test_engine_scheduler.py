@@ -171,7 +171,7 @@ def test_abort_waiting_and_running():
 def test_random_workload_never_leaks():
     rng = random.Random(0)
     s = make(num_blocks=24, bs=4, max_num_batched_tokens=16, max_num_seqs=5, max_model_len=64)
-    live, n_done = [], 0
+    live = []
     for it in range(3000):
         if rng.random() < 0.3 and len(live) < 12:
             q = Seq(f"r{it}", [rng.randrange(3) for _ in range(rng.randint(1, 30))],

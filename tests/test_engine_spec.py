@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mlxfast.engine.spec as spec_mod
-from engine_utils import ToyTokenizer, greedy, run_requests, tiny_model
+from engine_utils import ToyTokenizer, greedy, reference_proposer, run_requests, tiny_model
 from mlxfast.engine.api import Request, SamplingParams
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
@@ -51,23 +51,7 @@ def run(model, tok, requests, spec=True, delays=None, **kw):
         eng.shutdown()
 
 
-class Oracle:
-    """Drafts what decoding without speculation gives next (``REFERENCE``,
-    by prompt), every fifth position wrong."""
-
-    REFERENCE: dict[tuple, list[int]] = {}
-    match = 1
-
-    def __init__(self, n_min, n_max):
-        pass
-
-    def propose(self, tokens, k):
-        for prompt, out in self.REFERENCE.items():
-            if tuple(tokens[:len(prompt)]) == prompt:
-                full = list(prompt) + out
-                draft = full[len(tokens):len(tokens) + k]
-                return [(t + 1) % VOCAB if (len(tokens) + j) % 5 == 0 else t for j, t in enumerate(draft)]
-        return []
+Oracle = reference_proposer(VOCAB, 5)
 
 
 @pytest.fixture
@@ -363,9 +347,17 @@ def test_step_cost_learns_a_curve_not_a_line():
             c.observe(t, v)
     for t in (1, 9, 16, 17, 24):
         assert c.seconds(t) == pytest.approx(curve[t], rel=1e-3)
+    c.observe(9, 10 * curve[9])  # one stall moves a count's reading by a fifth of 2x at most
+    assert c.seconds(9) == pytest.approx(curve[9] * 1.2, rel=1e-3)
+    for _ in range(40):
+        c.observe(9, curve[9])
     c.observe(600, 0.2)
     assert c.seconds(312) == pytest.approx(curve[24] + (0.2 - curve[24]) * (312 - 24) / (576 - 24))  # between counts
-    assert c.seconds(700) == pytest.approx(0.2 + 5e-4 * (700 - 576))  # past the end: the prior's slope
+    slope = (0.2 - curve[24]) / (576 - 24)
+    assert c.seconds(700) == pytest.approx(0.2 + slope * (700 - 576))  # past the end: the last two's slope
+    one = StepCost()
+    one.observe(1, 6e-3)
+    assert one.seconds(3) == pytest.approx(6e-3 * (1 + 2 * StepCost.FIRST_SLOPE))  # one count seen: optimistic
     for _ in range(30):
         c.observe(20, 1e-3)  # a noisy fast step never makes more tokens look cheaper than fewer
     assert c.seconds(20) == pytest.approx(c.seconds(19))

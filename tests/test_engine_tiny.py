@@ -8,7 +8,7 @@ import pytest
 
 from engine_utils import ToyTokenizer, collect, dense_greedy, greedy, run_requests, tiny_model
 from mlxfast.engine.api import (EngineDead, EngineOverloaded, FinishEvent, PromptTooLong, Request,
-                                SamplingParams, TokenEvent)
+                                SamplingParams)
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
 

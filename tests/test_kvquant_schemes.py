@@ -138,7 +138,6 @@ def _naive(q, k, v, tables, seq_idx, positions, scale, bs):
 @pytest.mark.parametrize("quant", ["8", "4", "turbo"])
 @pytest.mark.parametrize("native", [False, True])
 def test_paged_context_over_quant_pool_matches_naive(quant, native):
-    rng = random.Random(7)
     mx.random.seed(7)
     bs, Hq, Hkv, D = 4, 6, 2, 64
     pool = KVPool(uniform_layers(1, Hkv, D), 32, bs, kv_quant=quant)

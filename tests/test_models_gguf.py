@@ -9,7 +9,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 from tiny_gguf import roundtrip, write_kquant_gguf, write_tiny_gguf
 from tiny_models import make_tiny_model

@@ -4,25 +4,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
-from tiny_models import make_tiny_model
+from tiny_models import TOKENS, build_from_dir, make_tiny_model, rel_err
 
 from mlxfast.kv import DenseKVCache
-from mlxfast.models.loader import build_model, load_hf_dir, read_hf_config
-
-TOKENS = [[5, 17, 99, 3, 200, 42, 7, 150, 64, 11], [8, 8, 250, 31, 4, 77, 190, 12, 3, 9]]
-
-
-def _build(path):
-    # The model half of mlxfast.load(); the tokenizer is tested elsewhere.
-    config = read_hf_config(path)
-    weights = mx.load(str(path / "model.safetensors"))
-    return build_model(config, weights, config.get("quantization") or {})
-
-
-def _rel_err(a, b):
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
+from mlxfast.models.loader import load_hf_dir
 
 CASES = [
     ("llama", mx.float32, None),
@@ -47,7 +32,7 @@ TOL = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 3e-2}
 @pytest.mark.parametrize("batch", [1, 2])
 def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, batch):
     path = make_tiny_model(tmp_path / "m", model_type, dtype=dtype, quantize=quant)
-    ours = _build(path)
+    ours = build_from_dir(path)
     ref, _ = load_model(path)
     tokens = mx.array(TOKENS[:batch])
     tol = TOL[dtype] if quant is None else max(TOL[dtype], 2e-3)
@@ -57,7 +42,7 @@ def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, batch):
     full_ref = ref(tokens)
     assert full.shape == full_ref.shape == (batch, tokens.shape[1], 256)
     if dtype == mx.float32:
-        assert _rel_err(full, full_ref) < tol
+        assert rel_err(full, full_ref) < tol
     else:
         # Two half-precision implementations round differently; both are
         # judged against the same weights run in fp32, and ours must be at
@@ -65,8 +50,8 @@ def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, batch):
         ref32, _ = load_model(path)
         ref32.set_dtype(mx.float32)
         exact = ref32(tokens)
-        assert _rel_err(full, exact) < max(tol, 1.5 * _rel_err(full_ref, exact))
-        assert _rel_err(full, full_ref) < 3 * tol
+        assert rel_err(full, exact) < max(tol, 1.5 * rel_err(full_ref, exact))
+        assert rel_err(full, full_ref) < 3 * tol
 
     # A prefix, then one token at a time through the KV cache.
     cache = DenseKVCache.for_model(ours)
@@ -79,14 +64,14 @@ def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, batch):
         cache.advance(1)
         ref_steps.append(ref(tokens[:, i:i + 1], cache=ref_cache))
     inc, inc_ref = mx.concatenate(steps, axis=1), mx.concatenate(ref_steps, axis=1)
-    assert _rel_err(inc, inc_ref) < (tol if dtype == mx.float32 else 3 * tol)
-    assert _rel_err(inc, full) < max(tol, 1e-3 if dtype == mx.float32 else tol)
+    assert rel_err(inc, inc_ref) < (tol if dtype == mx.float32 else 3 * tol)
+    assert rel_err(inc, full) < max(tol, 1e-3 if dtype == mx.float32 else tol)
 
 
 def test_quantized_layers_are_quantized(tmp_path):
     quant = {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}, "lm_head": False}
     path = make_tiny_model(tmp_path / "m", "qwen3", quantize=quant)
-    model = _build(path)
+    model = build_from_dir(path)
     from mlxfast.models.layers import Linear, QuantizedEmbedding, QuantizedLinear
 
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
@@ -101,7 +86,7 @@ def test_quantized_layers_are_quantized(tmp_path):
 def test_unlike_projections_stay_separate(tmp_path):
     quant = {"group_size": 32, "bits": 4, "model.layers.0.self_attn.k_proj": {"group_size": 32, "bits": 8}}
     path = make_tiny_model(tmp_path / "m", "llama", quantize=quant)
-    model = _build(path)
+    model = build_from_dir(path)
     attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     assert "qkv_proj" not in attn0 and attn0.k_proj.bits == 8
     assert "qkv_proj" in attn1
@@ -121,11 +106,11 @@ def test_gemma3_final_logit_softcapping(tmp_path):
     import json
 
     path = make_tiny_model(tmp_path / "m", "gemma3_text")
-    plain = _build(path)
+    plain = build_from_dir(path)
     config = json.loads((path / "config.json").read_text())
     config["final_logit_softcapping"] = 5.0
     (path / "config.json").write_text(json.dumps(config))
-    capped = _build(path)
+    capped = build_from_dir(path)
     tokens = mx.array(TOKENS)
     z = plain(tokens, DenseKVCache.for_model(plain))
     got = capped(tokens, DenseKVCache.for_model(capped))
@@ -143,4 +128,4 @@ def test_gemma3_rejects_what_it_cannot_run(tmp_path):
         bad = dict(config, **{key: value})
         (path / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=match):
-            _build(path)
+            build_from_dir(path)

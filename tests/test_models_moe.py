@@ -3,32 +3,17 @@ against mlx-lm: logits with and without the KV cache, batch 1 and 2, greedy
 continuations; HF per-expert checkpoints and MLX-quantized stacked ones; the
 engine (batching, prefix sharing, KV schemes, speculation) unchanged."""
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
+from tiny_models import TOKENS, build_from_dir, rel_err
 from tiny_moe import make_tiny_moe
 
 from mlxfast.kv import DenseKVCache
 from mlxfast.models.loader import build_model, read_hf_config
 from mlxfast.models.moe import QuantizedSwitchLinear, SparseMoE, SwitchLinear
-
-TOKENS = [[5, 17, 99, 3, 200, 42, 7, 150, 64, 11], [8, 8, 250, 31, 4, 77, 190, 12, 3, 9]]
-
-
-def _build(path):
-    config = read_hf_config(path)
-    weights = mx.load(str(path / "model.safetensors"))
-    return build_model(config, weights, config.get("quantization") or {})
-
-
-def _rel_err(a, b):
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
 
 Q4 = {"group_size": 32, "bits": 4}
 CASES = [
@@ -77,7 +62,7 @@ def _incremental(model, tokens, ours: bool):
 def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, per_expert, batch):
     path = make_tiny_moe(tmp_path / "m", model_type, dtype=dtype, quantize=quant,
                          per_expert=per_expert)
-    ours = _build(path)
+    ours = build_from_dir(path)
     tokens = mx.array(TOKENS[:batch])
     tol = TOL[dtype] if quant is None else max(TOL[dtype], 2e-3)
     full = ours(tokens, DenseKVCache.for_model(ours))
@@ -86,9 +71,9 @@ def test_logits_match_mlx_lm(tmp_path, model_type, dtype, quant, per_expert, bat
 
     if dtype == mx.float32:
         ref, _ = load_model(path)
-        assert _rel_err(full, ref(tokens)) < tol
-        assert _rel_err(inc, _incremental(ref, tokens, ours=False)) < tol
-        assert _rel_err(inc, full) < max(tol, 1e-3)
+        assert rel_err(full, ref(tokens)) < tol
+        assert rel_err(inc, _incremental(ref, tokens, ours=False)) < tol
+        assert rel_err(inc, full) < max(tol, 1e-3)
         return
 
     # Half precision: a router logit rounded another way can swap an expert
@@ -141,14 +126,14 @@ def _greedy_mlx_lm(model, prompt, n):
 @pytest.mark.parametrize("quant", [None, Q4])
 def test_greedy_continuation_matches_mlx_lm(tmp_path, model_type, quant):
     path = make_tiny_moe(tmp_path / "m", model_type, quantize=quant, per_expert=quant is None, seed=3)
-    ours, (ref, _) = _build(path), load_model(path)
+    ours, (ref, _) = build_from_dir(path), load_model(path)
     for prompt in (TOKENS[0], TOKENS[1][:4]):
         assert _greedy_ours(ours, prompt, 24) == _greedy_mlx_lm(ref, prompt, 24)
 
 
 def test_loaded_layers(tmp_path):
     path = make_tiny_moe(tmp_path / "q", "qwen3_moe", quantize=Q4, per_expert=False)
-    model = _build(path)
+    model = build_from_dir(path)
     layers = model.model.layers
     assert isinstance(layers[0].mlp, SparseMoE) and isinstance(layers[2].mlp, SparseMoE)
     assert not isinstance(layers[1].mlp, SparseMoE)  # mlp_only_layers = [1]
@@ -159,7 +144,7 @@ def test_loaded_layers(tmp_path):
     assert layers[0].mlp.top_k == 2 and layers[0].mlp.normalize and layers[0].mlp.softmax_first
 
     path = make_tiny_moe(tmp_path / "m", "mixtral")
-    model = _build(path)
+    model = build_from_dir(path)
     moe = model.model.layers[0].block_sparse_moe
     assert isinstance(moe.switch_mlp.up_proj, SwitchLinear)
     assert moe.switch_mlp.up_proj.weight.shape == (8, 64, 64)
@@ -190,11 +175,11 @@ def test_decoder_sparse_step(tmp_path):
     """decoder_sparse_step 2: layers 1, 3 are MoE, 0, 2 dense (as mlx-lm)."""
     path = make_tiny_moe(tmp_path / "m", "qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2,
                          mlp_only_layers=[])
-    ours, (ref, _) = _build(path), load_model(path)
+    ours, (ref, _) = build_from_dir(path), load_model(path)
     kinds = [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers]
     assert kinds == [False, True, False, True]
     tokens = mx.array(TOKENS)
-    assert _rel_err(ours(tokens, DenseKVCache.for_model(ours)), ref(tokens)) < 1e-4
+    assert rel_err(ours(tokens, DenseKVCache.for_model(ours)), ref(tokens)) < 1e-4
 
 
 def test_router_top_k_rules():
@@ -238,10 +223,10 @@ def test_native_and_reference_paths_agree(tmp_path, monkeypatch, model_type, qua
     from mlxfast import ops
 
     path = make_tiny_moe(tmp_path / "m", model_type, quantize=quant, per_expert=quant is None)
-    model = _build(path)
+    model = build_from_dir(path)
     tokens = mx.array(TOKENS)
     native = model(tokens, DenseKVCache.for_model(model))
     monkeypatch.delattr(ops._ext, "moe_experts")
     monkeypatch.delattr(ops._ext, "moe_route")
     reference = model(tokens, DenseKVCache.for_model(model))
-    assert _rel_err(native, reference) < 1e-4
+    assert rel_err(native, reference) < 1e-4

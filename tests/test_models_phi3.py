@@ -25,14 +25,13 @@ from gguf_oracle import (ASSISTANT, END, ENDOFTEXT, SPECIALS, SYSTEM, VOCAB, add
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 from tiny_gguf import roundtrip
-from tiny_models import make_tiny_model
+from tiny_models import TOKENS, build_from_dir, make_tiny_model, rel_err, rms_err
 
 from mlxfast.kv import DenseKVCache
 from mlxfast.models import gguf
 from mlxfast.models.layers import QuantizedLinear
 from mlxfast.models.loader import build_model, load, read_hf_config
 
-TOKENS = [[5, 17, 99, 3, 200, 42, 7, 150, 64, 11], [8, 8, 250, 31, 4, 77, 190, 12, 3, 9]]
 HEAD_DIM = 16  # tiny_models: hidden 64, 4 heads
 ORIGINAL = 256  # llama.cpp rounds its context up to 256: short factors need it this long
 
@@ -58,21 +57,6 @@ def variant(name: str) -> dict:
     raise KeyError(name)
 
 
-def _build(path):
-    config = read_hf_config(path)
-    return build_model(config, mx.load(str(path / "model.safetensors")), config.get("quantization") or {})
-
-
-def _rel_err(a, b):
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
-
-def _rms_err(a, b):
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.sqrt(mx.mean((a - b) ** 2)) / mx.sqrt(mx.mean(b**2))).item()
-
-
 CASES = [
     ("plain", mx.float32, None),
     ("su", mx.float32, None),
@@ -87,7 +71,7 @@ TOL = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 3e-2}
 
 
 def test_config_reads_partial_rope_and_longrope(tmp_path):
-    model = _build(make_tiny_model(tmp_path / "m", "phi3", **variant("longrope")))
+    model = build_from_dir(make_tiny_model(tmp_path / "m", "phi3", **variant("longrope")))
     a = model.args
     assert model.model_type == "phi3" and a.head_dim == HEAD_DIM and a.rope_dims == 12
     assert a.rope_attention_factor == pytest.approx((1 + np.log(8) / np.log(ORIGINAL)) ** 0.5)
@@ -103,7 +87,7 @@ def test_config_reads_partial_rope_and_longrope(tmp_path):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_logits_match_mlx_lm(tmp_path, name, dtype, quant, batch):
     path = make_tiny_model(tmp_path / "m", "phi3", dtype=dtype, quantize=quant, **variant(name))
-    ours = _build(path)
+    ours = build_from_dir(path)
     ref, _ = load_model(path)
     if quant is not None:
         qkv = ours.model.layers[0].self_attn.qkv_proj
@@ -115,7 +99,7 @@ def test_logits_match_mlx_lm(tmp_path, name, dtype, quant, batch):
     full_ref = ref(tokens)
     assert full.shape == full_ref.shape == (batch, tokens.shape[1], 256)
     if dtype == mx.float32:
-        assert _rel_err(full, full_ref) < tol
+        assert rel_err(full, full_ref) < tol
     else:
         # Judged against the same weights in fp32: at least about as close as
         # mlx-lm's own (rms: the largest error of two roundings is a matter of
@@ -123,8 +107,8 @@ def test_logits_match_mlx_lm(tmp_path, name, dtype, quant, batch):
         ref32, _ = load_model(path)
         ref32.set_dtype(mx.float32)
         exact = ref32(tokens)
-        assert _rms_err(full, exact) < 1.5 * _rms_err(full_ref, exact)
-        assert _rel_err(full, full_ref) < 3 * tol
+        assert rms_err(full, exact) < 1.5 * rms_err(full_ref, exact)
+        assert rel_err(full, full_ref) < 3 * tol
 
     # a prefix, then one token at a time through the KV cache
     cache, ref_cache = DenseKVCache.for_model(ours), make_prompt_cache(ref)
@@ -135,8 +119,8 @@ def test_logits_match_mlx_lm(tmp_path, name, dtype, quant, batch):
         cache.advance(1)
         ref_steps.append(ref(tokens[:, i:i + 1], cache=ref_cache))
     inc, inc_ref = mx.concatenate(steps, axis=1), mx.concatenate(ref_steps, axis=1)
-    assert _rel_err(inc, inc_ref) < (tol if dtype == mx.float32 else 3 * tol)
-    assert _rel_err(inc, full) < max(tol, 1e-3 if dtype == mx.float32 else tol)
+    assert rel_err(inc, inc_ref) < (tol if dtype == mx.float32 else 3 * tol)
+    assert rel_err(inc, full) < max(tol, 1e-3 if dtype == mx.float32 else tol)
 
 
 def test_longrope_pieces_each_matter(tmp_path):
@@ -149,12 +133,12 @@ def test_longrope_pieces_each_matter(tmp_path):
     want = ref(tokens)
     config = read_hf_config(path)
     weights = mx.load(str(path / "model.safetensors"))
-    assert _rel_err(build_model(config, weights, {})(tokens, DenseKVCache(2)), want) < 1e-4
+    assert rel_err(build_model(config, weights, {})(tokens, DenseKVCache(2)), want) < 1e-4
     no_factor = dict(config, rope_scaling=dict(config["rope_scaling"], attention_factor=1.0))
     short = dict(config, rope_scaling=dict(config["rope_scaling"],
                                             long_factor=config["rope_scaling"]["short_factor"]))
     for wrong in (no_factor, short):
-        assert _rel_err(build_model(wrong, weights, {})(tokens, DenseKVCache(2)), want) > 1e-2
+        assert rel_err(build_model(wrong, weights, {})(tokens, DenseKVCache(2)), want) > 1e-2
 
 
 @pytest.mark.parametrize("name,quant", [("su", None), ("longrope", {"group_size": 32, "bits": 4})])
@@ -301,7 +285,7 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, name, qtype):
         assert model.model.layers[0].self_attn.qkv_proj.bits == 8
     tokens = mx.array(TOKENS)
     got, want = model(tokens, DenseKVCache(len(model.layers))), ref(tokens)
-    assert _rel_err(got, want) < 1e-4
+    assert rel_err(got, want) < 1e-4
     assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
 
 
@@ -319,9 +303,9 @@ def test_gguf_converts_to_a_directory_mlx_lm_loads(tmp_path, qtype):
     assert config["original_max_position_embeddings"] == ORIGINAL
     tokens = mx.array(TOKENS)
     from_file = _gguf_model(path)[0](tokens, DenseKVCache(2))
-    assert _rel_err(load(out)[0](tokens, DenseKVCache(2)), from_file) < 1e-5
+    assert rel_err(load(out)[0](tokens, DenseKVCache(2)), from_file) < 1e-5
     if qtype == Q.F32:
-        assert _rel_err(load_model(out)[0](tokens), from_file) < 1e-4
+        assert rel_err(load_model(out)[0](tokens), from_file) < 1e-4
 
 
 def _ours_logits(model, ids_list):

@@ -16,7 +16,7 @@ from gguf import GGUFWriter
 from gguf_oracle import VOCAB, add_tensors, add_vocab, agreement, finish, llama_cpp_logits, sequences
 from mlx_lm.utils import load_model
 from tiny_gguf import roundtrip
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, rel_err
 
 from mlxfast.kv import DenseKVCache
 from mlxfast.models import gguf
@@ -81,11 +81,6 @@ def _gguf_model(path):
     return build_model(config, weights, quant), config
 
 
-def _rel_err(a, b):
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_0])
 def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, arch, qtype):
@@ -107,7 +102,7 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, arch, qtype):
     if qtype != Q.F32:
         assert isinstance(attn.qkv_proj, QuantizedLinear) and attn.qkv_proj.bits == (4 if qtype == Q.Q4_0 else 8)
     got, want = model(TOKENS, DenseKVCache(len(model.layers))), ref(TOKENS)
-    assert _rel_err(got, want) < 1e-4
+    assert rel_err(got, want) < 1e-4
     assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
 
 

@@ -4,7 +4,6 @@ graceful SIGTERM / SIGINT that lets an in-flight stream finish and exits 0."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 import time
 

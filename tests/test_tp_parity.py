@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port_pair
 from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,28 +56,12 @@ def results(tmp_path_factory):
     out = base / "out.json"
     launch = Path(sys.executable).parent / "mlx.launch"
     env = dict(os.environ, MLXFAST_NUM_THREADS="1", PYTHONPATH=str(ROOT / "tests"))
-    proc = subprocess.run([str(launch), "-n", "2", "--backend", "ring", "--starting-port", str(_port()),
+    proc = subprocess.run([str(launch), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
                            "--", sys.executable, str(ROOT / "tests" / "tp_worker.py"), str(out),
                            *paths.values()], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.is_file(), f"the ranks failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
     data = json.loads(out.read_text())
     return {name: data[p] for name, p in paths.items()}
-
-
-def _port() -> int:
-    """A free base port for the ring (mlx.launch takes base, base + 1)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", 0))
-                port = a.getsockname()[1]
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two free consecutive ports")
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -19,7 +19,6 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port, wait_healthy
+from conftest import free_port, free_port_pair, wait_healthy
 from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,26 +46,13 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tp-srv") / "m", "llama", **TP_MODEL)
 
 
-def _ring_port() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", 0))
-                port = a.getsockname()[1]
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two free consecutive ports")
-
-
 @pytest.fixture(scope="module")
 def launched(tiny):
     """2 ranks of ``mlxfast serve`` under mlx.launch (rank 0 serves HTTP)."""
     port = free_port()
     launch = Path(sys.executable).parent / "mlx.launch"
     proc = subprocess.Popen(
-        [str(launch), "-n", "2", "--backend", "ring", "--starting-port", str(_ring_port()), "--",
+        [str(launch), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()), "--",
          sys.executable, "-m", "mlxfast.serve", "--model", str(tiny), "--port", str(port),
          "--log-level", "warning", "--max-model-len", "512", "--max-tokens", "16",
          "--kv-cache-dtype", "float32",  # the library's dense cache holds float32 too
@@ -253,7 +239,7 @@ def test_a_rank_killed_while_idle_is_noticed_by_the_heartbeat(tiny):
 
 def test_ranks_that_do_not_connect_end_the_start_up(tiny, tmp_path):
     hostfile = tmp_path / "hosts.json"
-    base = _ring_port()
+    base = free_port_pair()
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))  # rank 1 never starts
     port = free_port()
     env = dict(_env(), MLX_RANK="0", MLX_HOSTFILE=str(hostfile))
@@ -269,7 +255,7 @@ def test_ranks_that_do_not_connect_end_the_start_up(tiny, tmp_path):
 def test_ranks_with_different_model_files_are_refused(tiny, tmp_path):
     other = make_tiny_model(tmp_path / "other", "llama", seed=1, **TP_MODEL)  # same shapes, other weights
     hostfile = tmp_path / "hosts.json"
-    base = _ring_port()
+    base = free_port_pair()
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "mlxfast.serve", "--model", str(m), "--port", str(port),

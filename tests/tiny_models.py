@@ -93,3 +93,28 @@ def make_tiny_model(out: Path, model_type: str, *, dtype=mx.float32, quantize: d
     (out / "config.json").write_text(json.dumps(config))
     _write_tokenizer(out)
     return out
+
+
+# ------------------------------------------------ parity helpers of the model tests
+
+TOKENS = [[5, 17, 99, 3, 200, 42, 7, 150, 64, 11], [8, 8, 250, 31, 4, 77, 190, 12, 3, 9]]
+
+
+def build_from_dir(path):
+    """The model half of ``mlxfast.load`` on an HF directory (the tokenizer is tested elsewhere)."""
+    from mlxfast.models.loader import build_model, read_hf_config
+
+    config = read_hf_config(path)
+    weights = mx.load(str(Path(path) / "model.safetensors"))
+    return build_model(config, weights, config.get("quantization") or {})
+
+
+def rel_err(a, b) -> float:
+    """The largest difference relative to the largest magnitude of ``b``."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def rms_err(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.sqrt(mx.mean((a - b) ** 2)) / mx.sqrt(mx.mean(b**2))).item()

@@ -157,17 +157,20 @@ class Acceptance:
 class StepCost:
     """Step time by the number of tokens the step computes: a running
     average per count (counts past 256 in buckets of 64), read between
-    counts by linear interpolation, past the ends along a prior slope, and
-    never lower than at a smaller count. Not a line: one row streams the
-    weights, each further token adds compute, and kernels change paths
-    with the number of rows (measured on the default model, 2 cores: 1 row
-    and 1, 2, 4, 8 draft tokens 13.8, 15.0, 16.4, 19.5, 32 ms; 8 rows and
-    as many drafts each 29.5, 34.3, 42.4, 59.1, 77.6 ms; a loaded machine)."""
+    counts by linear interpolation and never lower than at a smaller count;
+    past the counts seen, along the slope of the last two (with one seen, a
+    tenth of its time per token: optimistic, so that a longer step gets
+    tried and measured). Not a line: one row streams the weights, each
+    further token adds compute, and kernels change paths with the number of
+    rows (measured on the default model, 2 cores: 1 row and 1, 2, 4, 8
+    draft tokens 13.8, 15.0, 16.4, 19.5, 32 ms; 8 rows and as many drafts
+    each 29.5, 34.3, 42.4, 59.1, 77.6 ms; a loaded machine)."""
 
     SMOOTH = 0.2
+    FIRST_SLOPE = 0.1  # per token, as a share of the one count seen
 
     def __init__(self, base: float = 5e-3, per_token: float = 5e-4):
-        self.base, self.per_token = base, per_token
+        self.base, self.per_token = base, per_token  # before any step is measured
         self._counts: list[int] = []  # sorted
         self._seconds: list[float] = []  # running average at each count
         self._floor: list[float] = []  # running maximum of those, by count
@@ -182,7 +185,8 @@ class StepCost:
         k = self._bucket(tokens)
         i = bisect.bisect_left(self._counts, k)
         if i < len(self._counts) and self._counts[i] == k:
-            self._seconds[i] += self.SMOOTH * (seconds - self._seconds[i])
+            v = self._seconds[i]  # a stall (a collection, another process) moves it by at most 2x's share
+            self._seconds[i] += self.SMOOTH * (min(seconds, 2 * v) - v)
         else:
             self._counts.insert(i, k)
             self._seconds.insert(i, seconds)
@@ -190,6 +194,12 @@ class StepCost:
         for v in self._seconds:
             top = max(top, v)
             self._floor.append(top)
+
+    def _slope(self, lo: int) -> float:
+        counts, vals = self._counts, self._floor
+        if len(counts) == 1:
+            return self.FIRST_SLOPE * vals[0] / counts[0]
+        return (vals[lo + 1] - vals[lo]) / (counts[lo + 1] - counts[lo])
 
     def seconds(self, tokens: int) -> float:
         import bisect
@@ -201,9 +211,9 @@ class StepCost:
         if i < len(counts) and counts[i] == tokens:
             return vals[i]
         if i == 0:
-            return max(1e-6, vals[0] - self.per_token * (counts[0] - tokens))
+            return max(1e-6, vals[0] - self._slope(0) * (counts[0] - tokens))
         if i == len(counts):
-            return vals[-1] + self.per_token * (tokens - counts[-1])
+            return vals[-1] + self._slope(max(len(counts) - 2, 0)) * (tokens - counts[-1])
         lo, hi = counts[i - 1], counts[i]
         return vals[i - 1] + (vals[i] - vals[i - 1]) * (tokens - lo) / (hi - lo)
 
