@@ -386,7 +386,7 @@ void gemv(const Args& a) {
       gemv_unit(a, xp, n0, n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N);
     }
   };
-  par_dynamic(units, units / (8 * pool_size()), body);
+  par_dynamic(units, units / (8 * num_threads()), body);
 }
 
 // ---------------------------------------------------------------- GEMM ----

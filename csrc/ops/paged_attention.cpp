@@ -15,12 +15,6 @@
 
 namespace mlxfast {
 
-namespace pa {
-void parallel(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_t), void* ctx) {
-  parallel_for(n, grain, [fn, ctx](int64_t b, int64_t e) { fn(ctx, b, e); });
-}
-} // namespace pa
-
 namespace {
 
 pa::DType to_pa(mx::Dtype dt) {

@@ -18,14 +18,6 @@
 
 namespace mlxfast {
 
-namespace qmm {
-void parallel(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_t),
-              void* ctx) {
-  parallel_for(n, grain, [fn, ctx](int64_t b, int64_t e) { fn(ctx, b, e); });
-}
-int pool_size() { return num_threads(); }
-} // namespace qmm
-
 namespace {
 
 [[noreturn]] void fail(const std::string& what) {
