@@ -137,6 +137,20 @@ struct Avx2 {
   static constexpr int kMR = 6;
   static constexpr int kNR = 16;
 
+  using Vec = __m256;
+  static constexpr int kLanes = 8;
+  static Vec vzero() { return _mm256_setzero_ps(); }
+  static Vec vload(const float* p) { return _mm256_load_ps(p); }
+  static void vstore(float* p, Vec v) { _mm256_store_ps(p, v); }
+  static void vstoreu(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static void vstore_out(void* out, DType dt, int64_t i, Vec v, int64_t n) {
+    alignas(32) float t[kLanes];
+    _mm256_store_ps(t, v);
+    for (int64_t j = 0; j < n; ++j) store_f32(out, dt, i + j, t[j]);
+  }
+
   static void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
     int64_t i = 0;
     if (dt == F32) {
@@ -266,62 +280,6 @@ struct Avx2 {
           }
         }
       }
-    }
-  }
-
-  // C[6][16] (+)= ap[kc][6]^T . bp[kc][16]; partial sums in cs[6][16] between
-  // k blocks; the last block writes rows < mr, columns < nc of the output.
-  static void micro(const float* ap, const float* bp, int64_t kc, float* cs, bool first,
-                    bool last, const Args& a, int64_t m0, int64_t n0, int mr, int64_t nc) {
-    __m256 c0[kMR], c1[kMR];
-    if (first) {
-#pragma GCC unroll 6
-      for (int r = 0; r < kMR; ++r) {
-        c0[r] = _mm256_setzero_ps();
-        c1[r] = _mm256_setzero_ps();
-      }
-    } else {
-#pragma GCC unroll 6
-      for (int r = 0; r < kMR; ++r) {
-        c0[r] = _mm256_load_ps(cs + r * kNR);
-        c1[r] = _mm256_load_ps(cs + r * kNR + 8);
-      }
-    }
-    for (int64_t k = 0; k < kc; ++k) {
-      __m256 b0 = _mm256_load_ps(bp);
-      __m256 b1 = _mm256_load_ps(bp + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < kMR; ++r) {
-        __m256 x = _mm256_broadcast_ss(ap + r);
-        c0[r] = _mm256_fmadd_ps(x, b0, c0[r]);
-        c1[r] = _mm256_fmadd_ps(x, b1, c1[r]);
-      }
-      ap += kMR;
-      bp += kNR;
-    }
-    if (!last) {
-#pragma GCC unroll 6
-      for (int r = 0; r < kMR; ++r) {
-        _mm256_store_ps(cs + r * kNR, c0[r]);
-        _mm256_store_ps(cs + r * kNR + 8, c1[r]);
-      }
-      return;
-    }
-    const int64_t N = a.N;
-    if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
-      float* out = static_cast<float*>(a.out) + m0 * N + n0;
-#pragma GCC unroll 6
-      for (int r = 0; r < kMR; ++r) {
-        _mm256_storeu_ps(out + r * N, c0[r]);
-        _mm256_storeu_ps(out + r * N + 8, c1[r]);
-      }
-      return;
-    }
-    alignas(32) float t[kNR];
-    for (int r = 0; r < mr; ++r) {
-      _mm256_store_ps(t, c0[r]);
-      _mm256_store_ps(t + 8, c1[r]);
-      for (int64_t j = 0; j < nc; ++j) store_f32(a.out, a.x_dtype, (m0 + r) * N + n0 + j, t[j]);
     }
   }
 };

@@ -148,9 +148,14 @@ inline void store_tile_sums(const __m512 (&acc)[R][MM], float* yb) {
 // per-group dot products at one row, and saves MM FMAs plus MM scalar bias
 // terms per group at MM rows: the model's 8-bit head, 49152 x 576 at 8 rows,
 // went from 5.3 to 3.4 ms; one row is memory-bound either way.
+//
+// Always inlined into its row loop: left to GCC, the one- and two-row tiles
+// became calls once the driver (qmm_x86.h) inlined the loops into its
+// dispatch, and one-row decode GEMVs ran ~7% slower.
 template <int BITS, int MM, int R, int CPG>
-inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
-                      const float* bi, float* yb) {
+__attribute__((always_inline)) inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n,
+                                                     const float* sc, const float* bi,
+                                                     float* yb) {
   const Args& a = *c.a;
   const int64_t G = c.G;
   const float* xc = c.xp + m0 * a.K;  // [K / 32][MM][32]: see prepare_x
@@ -263,6 +268,18 @@ struct Avx512 {
   static constexpr int kGemvMaxMM = 8;
   static constexpr int kMR = 12;
   static constexpr int kNR = 32;
+
+  using Vec = __m512;
+  static constexpr int kLanes = 16;
+  static Vec vzero() { return _mm512_setzero_ps(); }
+  static Vec vload(const float* p) { return _mm512_load_ps(p); }
+  static void vstore(float* p, Vec v) { _mm512_store_ps(p, v); }
+  static void vstoreu(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static void vstore_out(void* out, DType dt, int64_t i, Vec v, int64_t n) {
+    store_cvt(out, dt, i, v, tail_mask(n));
+  }
 
   static void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
     int64_t i = 0;
@@ -379,62 +396,6 @@ struct Avx512 {
           }
         }
       }
-    }
-  }
-
-  // C[12][32] (+)= ap[kc][12]^T . bp[kc][32]. Partial sums live in the fp32
-  // strip tile cs[12][32] between k blocks; the last block writes rows < mr,
-  // columns < nc of the output (converted to its dtype).
-  static void micro(const float* ap, const float* bp, int64_t kc, float* cs, bool first,
-                    bool last, const Args& a, int64_t m0, int64_t n0, int mr, int64_t nc) {
-    __m512 c0[kMR], c1[kMR];
-    if (first) {
-#pragma GCC unroll 12
-      for (int r = 0; r < kMR; ++r) {
-        c0[r] = _mm512_setzero_ps();
-        c1[r] = _mm512_setzero_ps();
-      }
-    } else {
-#pragma GCC unroll 12
-      for (int r = 0; r < kMR; ++r) {
-        c0[r] = _mm512_load_ps(cs + r * kNR);
-        c1[r] = _mm512_load_ps(cs + r * kNR + 16);
-      }
-    }
-    for (int64_t k = 0; k < kc; ++k) {
-      __m512 b0 = _mm512_load_ps(bp);
-      __m512 b1 = _mm512_load_ps(bp + 16);
-#pragma GCC unroll 12
-      for (int r = 0; r < kMR; ++r) {
-        __m512 x = _mm512_set1_ps(ap[r]);
-        c0[r] = _mm512_fmadd_ps(x, b0, c0[r]);
-        c1[r] = _mm512_fmadd_ps(x, b1, c1[r]);
-      }
-      ap += kMR;
-      bp += kNR;
-    }
-    if (!last) {
-#pragma GCC unroll 12
-      for (int r = 0; r < kMR; ++r) {
-        _mm512_store_ps(cs + r * kNR, c0[r]);
-        _mm512_store_ps(cs + r * kNR + 16, c1[r]);
-      }
-      return;
-    }
-    const int64_t N = a.N;
-    if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
-      float* out = static_cast<float*>(a.out) + m0 * N + n0;
-#pragma GCC unroll 12
-      for (int r = 0; r < kMR; ++r) {
-        _mm512_storeu_ps(out + r * N, c0[r]);
-        _mm512_storeu_ps(out + r * N + 16, c1[r]);
-      }
-      return;
-    }
-    __mmask16 k0 = tail_mask(nc), k1 = tail_mask(nc > 16 ? nc - 16 : 0);
-    for (int r = 0; r < mr; ++r) {
-      store_cvt(a.out, a.x_dtype, (m0 + r) * N + n0, c0[r], k0);
-      store_cvt(a.out, a.x_dtype, (m0 + r) * N + n0 + 16, c1[r], k1);
     }
   }
 };

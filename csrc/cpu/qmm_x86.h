@@ -7,15 +7,17 @@
 //
 // An Isa struct has:
 //   kGemvMaxMM        activation rows per GEMV register block
-//   kMR, kNR          the GEMM micro-tile (kNR a multiple of 16)
+//   kMR, kNR          the GEMM micro-tile, kNR = 2 * kLanes
+//   Vec, kLanes       the fp32 vector and its width, with vzero, vload and
+//                     vstore (aligned), vstoreu, vbroadcast(const float*),
+//                     vfmadd(a, b, c) = a * b + c, and vstore_out(out, dt, i,
+//                     v, n): lanes j < n to out[i + j] in dtype dt
 //   cvt_row(src, dt, off, n, dst)        n values from src + off to fp32
 //   prepare_x(a, xp)                     a.x into the layout its GEMV reads
 //   gemv_rows<BITS, MM>(c, m0, n0, n1, sc, bi)
 //                                        rows m0 .. m0+MM-1, columns [n0, n1)
 //   dequant_panel<BITS>(a, n0, kb, ke, bp, sb)
 //                                        weight rows n0 .. n0+kNR-1 as bp[k][kNR]
-//   micro(ap, bp, kc, cs, first, last, a, m0, n0, mr, nc)
-//                                        C[kMR][kNR] (+)= ap^T . bp
 #pragma once
 
 #include <immintrin.h>
@@ -162,6 +164,66 @@ struct Driver {
     }
   }
 
+  // C[kMR][kNR] (+)= ap[kc][kMR]^T . bp[kc][kNR], a row of C in two vectors.
+  // Partial sums live in the fp32 strip tile cs[kMR][kNR] between k blocks;
+  // the last block writes rows < mr, columns < nc of the output (converted
+  // to its dtype).
+  static void micro(const float* ap, const float* bp, int64_t kc, float* cs, bool first,
+                    bool last, const Args& a, int64_t m0, int64_t n0, int mr, int64_t nc) {
+    using V = typename Isa::Vec;
+    constexpr int L = Isa::kLanes;
+    static_assert(kNR == 2 * L, "two vectors per row of the micro-tile");
+    V c0[kMR], c1[kMR];
+    if (first) {
+#pragma GCC unroll 12
+      for (int r = 0; r < kMR; ++r) {
+        c0[r] = Isa::vzero();
+        c1[r] = Isa::vzero();
+      }
+    } else {
+#pragma GCC unroll 12
+      for (int r = 0; r < kMR; ++r) {
+        c0[r] = Isa::vload(cs + r * kNR);
+        c1[r] = Isa::vload(cs + r * kNR + L);
+      }
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      V b0 = Isa::vload(bp);
+      V b1 = Isa::vload(bp + L);
+#pragma GCC unroll 12
+      for (int r = 0; r < kMR; ++r) {
+        V x = Isa::vbroadcast(ap + r);
+        c0[r] = Isa::vfmadd(x, b0, c0[r]);
+        c1[r] = Isa::vfmadd(x, b1, c1[r]);
+      }
+      ap += kMR;
+      bp += kNR;
+    }
+    if (!last) {
+#pragma GCC unroll 12
+      for (int r = 0; r < kMR; ++r) {
+        Isa::vstore(cs + r * kNR, c0[r]);
+        Isa::vstore(cs + r * kNR + L, c1[r]);
+      }
+      return;
+    }
+    const int64_t N = a.N;
+    if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
+      float* out = static_cast<float*>(a.out) + m0 * N + n0;
+#pragma GCC unroll 12
+      for (int r = 0; r < kMR; ++r) {
+        Isa::vstoreu(out + r * N, c0[r]);
+        Isa::vstoreu(out + r * N + L, c1[r]);
+      }
+      return;
+    }
+    const int64_t n_lo = nc < L ? nc : L, n_hi = nc > L ? nc - L : 0;
+    for (int r = 0; r < mr; ++r) {
+      Isa::vstore_out(a.out, a.x_dtype, (m0 + r) * N + n0, c0[r], n_lo);
+      Isa::vstore_out(a.out, a.x_dtype, (m0 + r) * N + n0 + L, c1[r], n_hi);
+    }
+  }
+
   static void gemm(const Args& a) {
     const int64_t M = a.M, N = a.N, K = a.K;
     const int64_t P = ceil_div(M, kMR);
@@ -203,9 +265,8 @@ struct Driver {
           }
           for (int64_t p = pb; p < pe; ++p) {
             int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
-            Isa::micro(ap + p * K * kMR + kb * kMR, bp, ke - kb,
-                       cs ? cs + p * kMR * kNR : nullptr, kb == 0, ke == K, a, p * kMR, n0,
-                       mr, nc);
+            micro(ap + p * K * kMR + kb * kMR, bp, ke - kb, cs ? cs + p * kMR * kNR : nullptr,
+                  kb == 0, ke == K, a, p * kMR, n0, mr, nc);
           }
         }
       }
