@@ -86,8 +86,6 @@ NB_MODULE(_ext, m) {
   m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
         "block_tables"_a, "seq_idx"_a, "positions"_a, "scale"_a, "block_size"_a,
         nb::kw_only(), "merge_heads"_a = false, "window"_a = 0, "stream"_a = nb::none());
-  m.def("paged_gather", &mlxfast::paged_gather, "pool"_a, "block_tables"_a, "block_size"_a,
-        nb::kw_only(), "stream"_a = nb::none());
   m.def("sample_tokens", &mlxfast::sample_tokens, "logits"_a, "keys"_a, "temperature"_a,
         "top_k"_a, "top_p"_a, "min_p_log"_a, nb::kw_only(), "stream"_a = nb::none());
   // quantized KV (python/mlxfast/ops_kvquant.py)

@@ -207,16 +207,6 @@ def test_native_validation():
         ops.paged_attention(q, kp, kp, good[0], mx.array([0]), good[2], scale=1.0, block_size=8)
 
 
-@pytest.mark.skipif(not hasattr(ops._ext, "paged_gather"), reason="no native paged gather")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_native_gather(dtype):
-    kp = mx.random.normal((64 * 16, 3, 64)).astype(dtype)
-    tables = mx.array([[5, 2, 63], [0, 0, 1]], dtype=mx.int32)
-    got = ops.paged_gather(kp, tables, 16)
-    ref = ops.paged_gather_reference(kp, tables, 16)
-    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)))
-
-
 @native
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 96), (4, 1, 256),

@@ -239,13 +239,14 @@ NEON_HARNESS = r"""
 #include <cmath>
 #include <random>
 #include "cpu/qmm.h"
-namespace mlxfast { namespace qmm {
-void parallel(int64_t n, int64_t, void (*fn)(void*, int64_t, int64_t), void* ctx) {
+namespace mlxfast {
+int num_threads() { return 3; }
+void parallel_for(int64_t n, int64_t, RangeFn fn, void* ctx) {
   // split into 3 chunks to exercise ranges
   int64_t per = (n + 2) / 3;
   for (int64_t b = 0; b < n; b += per) fn(ctx, b, b + per < n ? b + per : n);
 }
-}}
+}
 using namespace mlxfast;
 using namespace mlxfast::qmm;
 int main() {

@@ -167,4 +167,8 @@ void parallel_for(int64_t n, int64_t grain,
   });
 }
 
+void parallel_for(int64_t n, int64_t grain, RangeFn fn, void* ctx) {
+  parallel_for(n, grain, [fn, ctx](int64_t b, int64_t e) { fn(ctx, b, e); });
+}
+
 } // namespace mlxfast

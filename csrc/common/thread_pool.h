@@ -6,11 +6,9 @@
 #include <cstdint>
 #include <functional>
 
-namespace mlxfast {
+#include "common/parallel.h"  // num_threads(), the function-pointer form
 
-// Threads used by native kernels: MLXFAST_NUM_THREADS if set, else the CPUs
-// this process may run on.
-int num_threads();
+namespace mlxfast {
 
 // Run fn(begin, end) over [0, n) split into contiguous chunks of at least
 // `grain` items, one chunk per thread at most. Blocks until all are done.

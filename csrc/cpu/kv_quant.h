@@ -358,7 +358,7 @@ struct Kernels {
   }
 
   static void encode(const EncodeArgs& a) {
-    pa::parallel(a.n, 64, &Kernels::encode_range, const_cast<EncodeArgs*>(&a));
+    parallel_for(a.n, 64, &Kernels::encode_range, const_cast<EncodeArgs*>(&a));
   }
 
   static void dequant_range(void* vctx, int64_t b, int64_t e) {
@@ -383,7 +383,7 @@ struct Kernels {
   }
 
   static void dequant(const DequantArgs& a) {
-    pa::parallel(a.n, 64, &Kernels::dequant_range, const_cast<DequantArgs*>(&a));
+    parallel_for(a.n, 64, &Kernels::dequant_range, const_cast<DequantArgs*>(&a));
   }
 
   // ---- attention ------------------------------------------------------------
@@ -671,8 +671,8 @@ struct Kernels {
     bucket[nbk] = k;
     float* parts = static_cast<float*>(std::malloc(sizeof(float) * (off > 0 ? off : 1)));
     Ctx c{&a, tiles, items, order, bucket, parts, first};
-    pa::parallel(nbk, 1, &Kernels::run_bucket, &c);
-    pa::parallel(nt * a.Hkv, 4, &Kernels::merge_range, &c);
+    parallel_for(nbk, 1, &Kernels::run_bucket, &c);
+    parallel_for(nt * a.Hkv, 4, &Kernels::merge_range, &c);
     std::free(parts);
     std::free(load);
     std::free(owner);

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "common/half.h"
+#include "common/parallel.h"
 
 #include <cmath>
 #include <cstdint>
@@ -50,9 +51,6 @@ struct Args {
   float scale;
   DType q_dtype, kv_dtype;
 };
-
-// parallel_for over the shared pool, defined in ops/paged_attention.cpp.
-void parallel(int64_t n, int64_t grain, void (*fn)(void* ctx, int64_t, int64_t), void* ctx);
 
 void run_portable(const Args& a);
 #if defined(MLXFAST_X86)
@@ -291,7 +289,7 @@ struct Kernel {
     }
     tiles[nt] = a.T;
     Ctx c{&a, tiles, nt, fast};
-    parallel(nt * a.Hkv, 1, &Kernel::run_range, &c);
+    parallel_for(nt * a.Hkv, 1, &Kernel::run_range, &c);
     std::free(tiles);
   }
 };

@@ -461,7 +461,7 @@ bool split_decode(const Args& a) {
   const int R = G, stride = R * D + 2 * R;
   SplitCtx c{&a, b_first, (spans + splits - 1) / splits * span_blocks, splits, R,
              tl_part.get(static_cast<size_t>(a.Hkv) * splits * stride)};
-  parallel(static_cast<int64_t>(a.Hkv) * splits, 1, &split_range<D>, &c);
+  parallel_for(static_cast<int64_t>(a.Hkv) * splits, 1, &split_range<D>, &c);
   float acc[16 * D], l[16];
   for (int kh = 0; kh < a.Hkv; ++kh) {
     const float* pk = c.parts + static_cast<int64_t>(kh) * splits * stride;

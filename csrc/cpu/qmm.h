@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "common/half.h"
+#include "common/parallel.h"
 #include "common/scratch.h"
 
 namespace mlxfast {
@@ -65,12 +66,6 @@ constexpr int64_t kGemvMaxRows = 16;
 // output head (49152 x 576) ran at ~9 GB/s; prefetching 8 rows ahead took it
 // from 4.2 to 2.3 ms (bench on the default model's shapes, quiet machine).
 constexpr int kPrefetchRows = 8;
-
-// parallel_for over the shared pool, defined in ops/quantized_matmul.cpp
-// (baseline flags) so that ISA files never instantiate std::function.
-void parallel(int64_t n, int64_t grain, void (*fn)(void* ctx, int64_t, int64_t),
-              void* ctx);
-int pool_size();
 
 void run_portable(const Args& a);
 #if defined(MLXFAST_X86)
@@ -193,8 +188,8 @@ constexpr size_t kKeepScratchFloats = size_t(16) << 20;  // 64 MiB
 
 template <class F>
 inline void par(int64_t n, int64_t grain, F& f) {
-  parallel(n, grain,
-           [](void* c, int64_t b, int64_t e) { (*static_cast<F*>(c))(b, e); }, &f);
+  parallel_for(n, grain,
+               [](void* c, int64_t b, int64_t e) { (*static_cast<F*>(c))(b, e); }, &f);
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b);
@@ -215,7 +210,7 @@ inline void par_dynamic(int64_t units, int64_t step, F& f) {
     }
   };
   int64_t pieces = ceil_div(units, step);
-  int64_t tasks = pieces < pool_size() ? pieces : pool_size();
+  int64_t tasks = pieces < num_threads() ? pieces : num_threads();
   par(tasks, 1, puller);
 }
 

@@ -16,19 +16,12 @@
 // ([K][12]); each thread dequantizes a 32-column weight panel ([K][32] fp32,
 // L2-resident) and runs a 12x32 register-blocked FMA micro-kernel (24 zmm
 // accumulators, activations broadcast from memory) over all row panels.
-#include <immintrin.h>
-
-#include "cpu/qmm.h"
+#include "cpu/qmm_x86.h"
 
 namespace mlxfast {
 namespace qmm {
 
 namespace {
-
-thread_local Scratch tl_x;  // calling thread: prepared activations
-thread_local Scratch tl_w;  // every thread: scales/biases, weight panel
-thread_local Scratch tl_t;  // every thread: small row temporaries
-thread_local Scratch tl_c;  // every thread: fp32 partial sums across k blocks
 
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff)
@@ -46,20 +39,6 @@ inline __m512 load_cvt(const void* p, DType dt, int64_t i, __mmask16 m) {
           _mm512_cvtepu16_epi32(
               _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i)),
           16));
-  }
-}
-
-inline void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
-  int64_t i = 0;
-  if (dt == F16) {
-    const uint16_t* h = static_cast<const uint16_t*>(src) + off;
-    for (; i + 16 <= n; i += 16) {
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
-    }
-  }
-  for (; i < n; i += 16) {
-    __mmask16 m = tail_mask(n - i);
-    _mm512_mask_storeu_ps(dst + i, m, load_cvt(src, dt, off + i, m));
   }
 }
 
@@ -119,15 +98,6 @@ inline void unpack32(const uint8_t* row, int64_t k0, __m512 lut, __m512& lo, __m
 
 // ---------------------------------------------------------------- GEMV ----
 
-constexpr int kGemvRowBlock = 16;  // weight rows per task unit (L1-resident)
-constexpr int kGemvMaxMM = 8;      // activation rows per register block
-
-struct GemvCtx {
-  const Args* a;
-  const float* xp;  // [M][K] fp32, permuted per 32-chunk for 4 bits
-  int64_t G, row_bytes;
-};
-
 // The horizontal sums of n <= 16 vectors, written to out[i]: one transposed
 // reduction (30 shuffles and 15 adds for 16 sums) instead of a reduce each
 // (~8 dependent instructions apiece, half of them shuffles). Every vector is
@@ -178,12 +148,17 @@ inline void store_tile_sums(const __m512 (&acc)[R][MM], float* yb) {
 // per-group dot products at one row, and saves MM FMAs plus MM scalar bias
 // terms per group at MM rows: the model's 8-bit head, 49152 x 576 at 8 rows,
 // went from 5.3 to 3.4 ms; one row is memory-bound either way.
+//
+// Always inlined into its row loop: left to GCC, the one- and two-row tiles
+// became calls once the driver (qmm_x86.h) inlined the loops into its
+// dispatch, and one-row decode GEMVs ran ~7% slower.
 template <int BITS, int MM, int R, int CPG>
-inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
-                      const float* bi, float* yb) {
+__attribute__((always_inline)) inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n,
+                                                     const float* sc, const float* bi,
+                                                     float* yb) {
   const Args& a = *c.a;
   const int64_t G = c.G;
-  const float* xc = c.xp + m0 * a.K;  // [K / 32][MM][32]: see gemv()
+  const float* xc = c.xp + m0 * a.K;  // [K / 32][MM][32]: see prepare_x
   const __m512 lut = lut16();
   __m512 acc[R][MM];
   for (int r = 0; r < R; ++r)
@@ -260,13 +235,15 @@ inline void gemv_tile_dense(const GemvCtx& c, int64_t m0, int64_t n, float* yb) 
   store_tile_sums(acc, yb);
 }
 
+// Rows m0 .. m0+MM-1, columns [n0, n1): tiles of R weight rows, then one
+// store per activation row.
 template <int BITS, int MM, int CPG>
-void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
-               const float* bi) {
+void gemv_tiles(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
+                const float* bi) {
   // Weight rows per tile: each activation vector loaded serves R rows.
   constexpr int R = MM <= 4 ? 4 : 2;
   const int64_t G = c.G;
-  alignas(64) float yb[kGemvMaxMM * kGemvRowBlock];
+  alignas(64) float yb[MM * kGemvRowBlock];
   int64_t n = n0;
   if constexpr (BITS == 0) {
     for (; n + R <= n1; n += R) gemv_tile_dense<MM, R>(c, m0, n, yb + (n - n0));
@@ -286,351 +263,154 @@ void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float
   }
 }
 
-template <int BITS, int CPG>
-void gemv_dispatch(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
-                   const float* sc, const float* bi) {
-  switch (mm) {
-    case 1: gemv_rows<BITS, 1, CPG>(c, m0, n0, n1, sc, bi); break;
-    case 2: gemv_rows<BITS, 2, CPG>(c, m0, n0, n1, sc, bi); break;
-    case 3: gemv_rows<BITS, 3, CPG>(c, m0, n0, n1, sc, bi); break;
-    case 4: gemv_rows<BITS, 4, CPG>(c, m0, n0, n1, sc, bi); break;
-    case 5: gemv_rows<BITS, 5, CPG>(c, m0, n0, n1, sc, bi); break;
-    case 6: gemv_rows<BITS, 6, CPG>(c, m0, n0, n1, sc, bi); break;
-    case 7: gemv_rows<BITS, 7, CPG>(c, m0, n0, n1, sc, bi); break;
-    default: gemv_rows<BITS, 8, CPG>(c, m0, n0, n1, sc, bi); break;
-  }
-}
+// The kernels Driver<Avx512> runs (see qmm_x86.h).
+struct Avx512 {
+  static constexpr int kGemvMaxMM = 8;
+  static constexpr int kMR = 12;
+  static constexpr int kNR = 32;
 
-template <int BITS>
-void gemv_dispatch_groups(const GemvCtx& c, int64_t m0, int mm, int64_t n0, int64_t n1,
-                          const float* sc, const float* bi) {
-  switch (c.a->group_size) {
-    case 32: gemv_dispatch<BITS, 1>(c, m0, mm, n0, n1, sc, bi); break;
-    case 64: gemv_dispatch<BITS, 2>(c, m0, mm, n0, n1, sc, bi); break;
-    default: gemv_dispatch<BITS, 4>(c, m0, mm, n0, n1, sc, bi); break;
+  using Vec = __m512;
+  static constexpr int kLanes = 16;
+  static Vec vzero() { return _mm512_setzero_ps(); }
+  static Vec vload(const float* p) { return _mm512_load_ps(p); }
+  static void vstore(float* p, Vec v) { _mm512_store_ps(p, v); }
+  static void vstoreu(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static void vstore_out(void* out, DType dt, int64_t i, Vec v, int64_t n) {
+    store_cvt(out, dt, i, v, tail_mask(n));
   }
-}
 
-// Activations as fp32 into xp ((M + 1) * K floats). Dense weights read rows
-// [M][K]. Quantized weights read blocks of up to 8 rows interleaved per
-// 32-value chunk, [K / 32][mm][32] (4 bits: each chunk permuted to even then
-// odd values), so that the tile addresses every activation vector of a chunk
-// as one pointer plus a constant: indexed (base + index) memory operands of
-// the FMAs are split into two uops on Intel cores (8 rows of 3072 x 576,
-// single thread: ~2.0 -> 2.05-2.2 G FMA/s, near this machine's noise).
-void prepare_x(const Args& a, float* xp) {
-  const int64_t M = a.M, K = a.K;
-  if (a.bits == 0) {
-    for (int64_t m = 0; m < M; ++m) cvt_row(a.x, a.x_dtype, m * K, K, xp + m * K);
-    return;
+  static void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
+    int64_t i = 0;
+    if (dt == F16) {
+      const uint16_t* h = static_cast<const uint16_t*>(src) + off;
+      for (; i + 16 <= n; i += 16) {
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+      }
+    }
+    for (; i < n; i += 16) {
+      __mmask16 m = tail_mask(n - i);
+      _mm512_mask_storeu_ps(dst + i, m, load_cvt(src, dt, off + i, m));
+    }
   }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
-                                         24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  float* row = xp + M * K;
-  for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
-    const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
-    for (int64_t m = 0; m < mm; ++m) {
-      cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, row);
-      float* dst = xp + m0 * K + m * 32;
-      for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
-        __m512 v0 = _mm512_loadu_ps(row + k), v1 = _mm512_loadu_ps(row + k + 16);
-        if (a.bits == 4) {
-          const __m512 e = _mm512_permutex2var_ps(v0, even, v1);
-          v1 = _mm512_permutex2var_ps(v0, odd, v1);
-          v0 = e;
-        }
-        _mm512_store_ps(dst, v0);
-        _mm512_store_ps(dst + 16, v1);
+
+  // CPG, the 32-value chunks per group, is a compile-time count (see gemv_tile).
+  template <int BITS, int MM>
+  static void gemv_rows(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
+                        const float* bi) {
+    if constexpr (BITS == 0) {
+      gemv_tiles<0, MM, 0>(c, m0, n0, n1, sc, bi);
+    } else {
+      switch (c.a->group_size) {
+        case 32: gemv_tiles<BITS, MM, 1>(c, m0, n0, n1, sc, bi); break;
+        case 64: gemv_tiles<BITS, MM, 2>(c, m0, n0, n1, sc, bi); break;
+        default: gemv_tiles<BITS, MM, 4>(c, m0, n0, n1, sc, bi); break;
       }
     }
   }
-}
 
-// Output rows [0, M), columns [n0, n1) (at most kGemvRowBlock of them).
-void gemv_unit(const Args& a, const float* xp, int64_t n0, int64_t n1) {
-  const bool dense = a.bits == 0;
-  const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
-  GemvCtx c{&a, xp, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
-  float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
-  float* sc = sb;
-  float* bi = sb + kGemvRowBlock * G;
-  prefetch_group_params(a, n1, kGemvRowBlock, G);
-  if (!dense) {
-    cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
-    if (a.biases) {
-      cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
-    } else {
-      sym_biases(sc, (n1 - n0) * G, a.bits, bi);
+  // Activations as fp32 into xp ((M + 1) * K floats). Dense weights read rows
+  // [M][K]. Quantized weights read blocks of up to 8 rows interleaved per
+  // 32-value chunk, [K / 32][mm][32] (4 bits: each chunk permuted to even then
+  // odd values), so that the tile addresses every activation vector of a chunk
+  // as one pointer plus a constant: indexed (base + index) memory operands of
+  // the FMAs are split into two uops on Intel cores (8 rows of 3072 x 576,
+  // single thread: ~2.0 -> 2.05-2.2 G FMA/s, near this machine's noise).
+  static void prepare_x(const Args& a, float* xp) {
+    const int64_t M = a.M, K = a.K;
+    if (a.bits == 0) {
+      for (int64_t m = 0; m < M; ++m) cvt_row(a.x, a.x_dtype, m * K, K, xp + m * K);
+      return;
     }
-  }
-  for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
-    int mm = static_cast<int>(M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM);
-    if (a.bits == 4) {
-      gemv_dispatch_groups<4>(c, m0, mm, n0, n1, sc, bi);
-    } else if (a.bits == 8) {
-      gemv_dispatch_groups<8>(c, m0, mm, n0, n1, sc, bi);
-    } else {
-      gemv_dispatch<0, 0>(c, m0, mm, n0, n1, sc, bi);
-    }
-  }
-}
-
-void gemv(const Args& a) {
-  float* xp = tl_x.get(gemv_prep_floats(a));
-  prepare_x(a, xp);
-  const int64_t units = ceil_div(a.N, kGemvRowBlock);
-  auto body = [&a, xp](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t n0 = u * kGemvRowBlock;
-      gemv_unit(a, xp, n0, n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N);
-    }
-  };
-  par_dynamic(units, units / (8 * pool_size()), body);
-}
-
-// ---------------------------------------------------------------- GEMM ----
-
-constexpr int kMR = 12;
-constexpr int kNR = 32;
-constexpr int64_t kKC = 256;
-constexpr int64_t kABlockBytes = 768 << 10;  // packed activation rows kept in L2
-
-// In-register transpose of 16 rows of 16 bytes: t[b][j] = r[j][b].
-inline void transpose16x16_u8(const __m128i r[16], __m128i t[16]) {
-  __m128i a[16], c[16], d[16];
-  for (int i = 0; i < 8; ++i) {
-    a[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);      // rows 2i,2i+1; b 0..7
-    a[8 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);  // b 8..15
-  }
-  for (int h = 0; h < 2; ++h) {
-    for (int i = 0; i < 4; ++i) {
-      c[8 * h + i] = _mm_unpacklo_epi16(a[8 * h + 2 * i], a[8 * h + 2 * i + 1]);
-      c[8 * h + 4 + i] = _mm_unpackhi_epi16(a[8 * h + 2 * i], a[8 * h + 2 * i + 1]);
-    }
-  }
-  for (int q = 0; q < 4; ++q) {
-    for (int i = 0; i < 2; ++i) {
-      d[4 * q + i] = _mm_unpacklo_epi32(c[4 * q + 2 * i], c[4 * q + 2 * i + 1]);
-      d[4 * q + 2 + i] = _mm_unpackhi_epi32(c[4 * q + 2 * i], c[4 * q + 2 * i + 1]);
-    }
-  }
-  for (int e = 0; e < 8; ++e) {
-    t[2 * e] = _mm_unpacklo_epi64(d[2 * e], d[2 * e + 1]);
-    t[2 * e + 1] = _mm_unpackhi_epi64(d[2 * e], d[2 * e + 1]);
-  }
-}
-
-// Dequantize weight rows n0..n0+31 into bp[K][32] (fp32; rows >= N are 0).
-// 16 rows at a time: the packed bytes of one 32-value chunk of each row are
-// transposed in registers so that each zero-extended vector holds one k
-// across 16 columns; scale/bias vectors come from a gather per group.
-// sb: the panel's scales then biases as fp32 ([32][G] each, see load_sb).
-// Fills k in [kb, ke) (group-aligned) at bp[(k - kb) * 32].
-template <int BITS>
-void dequant_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float* bp,
-                   const float* sb) {
-  const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
-  const int64_t row_bytes = K * BITS / 8;
-  const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
-  const float* scf = sb;
-  const float* bif = sb + kNR * G;
-  const __m512 lut = lut16();
-  const __m512i gidx = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(G)));
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w);
-  for (int half = 0; half < 2; ++half) {
-    const int64_t j0 = half * 16;
-    for (int64_t g = kb / gs; g < ke / gs; ++g) {
-      const __m512 s = _mm512_i32gather_ps(gidx, scf + j0 * G + g, 4);
-      const __m512 b = _mm512_i32gather_ps(gidx, bif + j0 * G + g, 4);
-      for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
-        __m128i r[16], t[16];
-        const int64_t off = BITS == 4 ? (k0 >> 1) : k0;
-        for (int j = 0; j < 16; ++j) {
-          r[j] = (j0 + j < ncols)
-                     ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                           w + (n0 + j0 + j) * row_bytes + off))
-                     : _mm_setzero_si128();
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                           24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    float* row = xp + M * K;
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxMM) {
+      const int64_t mm = M - m0 < kGemvMaxMM ? M - m0 : kGemvMaxMM;
+      for (int64_t m = 0; m < mm; ++m) {
+        cvt_row(a.x, a.x_dtype, (m0 + m) * K, K, row);
+        float* dst = xp + m0 * K + m * 32;
+        for (int64_t k = 0; k < K; k += 32, dst += mm * 32) {
+          __m512 v0 = _mm512_loadu_ps(row + k), v1 = _mm512_loadu_ps(row + k + 16);
+          if (a.bits == 4) {
+            const __m512 e = _mm512_permutex2var_ps(v0, even, v1);
+            v1 = _mm512_permutex2var_ps(v0, odd, v1);
+            v0 = e;
+          }
+          _mm512_store_ps(dst, v0);
+          _mm512_store_ps(dst + 16, v1);
         }
-        transpose16x16_u8(r, t);
-        float* dst = bp + (k0 - kb) * kNR + j0;
-        for (int i = 0; i < 16; ++i) {
-          __m512i z = _mm512_cvtepu8_epi32(t[i]);
-          if (BITS == 4) {
-            _mm512_storeu_ps(dst + (2 * i) * kNR,
-                             _mm512_fmadd_ps(_mm512_permutexvar_ps(z, lut), s, b));
-            _mm512_storeu_ps(dst + (2 * i + 1) * kNR,
-                             _mm512_fmadd_ps(_mm512_permutexvar_ps(
-                                                 _mm512_srli_epi32(z, 4), lut),
-                                             s, b));
-          } else {
-            _mm512_storeu_ps(dst + i * kNR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), s, b));
+      }
+    }
+  }
+
+  // Dequantize weight rows n0..n0+31 into bp[K][32] (fp32; rows >= N are 0).
+  // 16 rows at a time: the packed bytes of one 32-value chunk of each row are
+  // transposed in registers so that each zero-extended vector holds one k
+  // across 16 columns; scale/bias vectors come from a gather per group.
+  // sb: the panel's scales then biases as fp32 ([32][G] each, see load_sb).
+  // Fills k in [kb, ke) (group-aligned) at bp[(k - kb) * 32].
+  template <int BITS>
+  static void dequant_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float* bp,
+                            const float* sb) {
+    const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
+    const int64_t row_bytes = K * BITS / 8;
+    const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
+    const float* scf = sb;
+    const float* bif = sb + kNR * G;
+    const __m512 lut = lut16();
+    const __m512i gidx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(static_cast<int>(G)));
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t j0 = half * 16;
+      for (int64_t g = kb / gs; g < ke / gs; ++g) {
+        const __m512 s = _mm512_i32gather_ps(gidx, scf + j0 * G + g, 4);
+        const __m512 b = _mm512_i32gather_ps(gidx, bif + j0 * G + g, 4);
+        for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += (BITS == 4 ? 32 : 16)) {
+          __m128i r[16], t[16];
+          const int64_t off = BITS == 4 ? (k0 >> 1) : k0;
+          for (int j = 0; j < 16; ++j) {
+            r[j] = (j0 + j < ncols)
+                       ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                             w + (n0 + j0 + j) * row_bytes + off))
+                       : _mm_setzero_si128();
+          }
+          transpose16x16_u8(r, t);
+          float* dst = bp + (k0 - kb) * kNR + j0;
+          for (int i = 0; i < 16; ++i) {
+            __m512i z = _mm512_cvtepu8_epi32(t[i]);
+            if (BITS == 4) {
+              _mm512_storeu_ps(dst + (2 * i) * kNR,
+                               _mm512_fmadd_ps(_mm512_permutexvar_ps(z, lut), s, b));
+              _mm512_storeu_ps(dst + (2 * i + 1) * kNR,
+                               _mm512_fmadd_ps(_mm512_permutexvar_ps(
+                                                   _mm512_srli_epi32(z, 4), lut),
+                                               s, b));
+            } else {
+              _mm512_storeu_ps(dst + i * kNR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), s, b));
+            }
           }
         }
       }
     }
   }
-}
+};
 
-// Scales and biases of weight rows n0..n0+31 as fp32 [32][G] each (0 past N).
-void load_sb(const Args& a, int64_t n0, float* sb) {
-  const int64_t G = a.K / a.group_size;
-  const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
-  float* scf = sb;
-  float* bif = sb + kNR * G;
-  cvt_row(a.scales, a.s_dtype, n0 * G, ncols * G, scf);
-  if (a.biases) {
-    cvt_row(a.biases, a.s_dtype, n0 * G, ncols * G, bif);
-  } else {
-    sym_biases(scf, ncols * G, a.bits, bif);
-  }
-  if (ncols < kNR) {
-    std::memset(scf + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
-    std::memset(bif + ncols * G, 0, sizeof(float) * (kNR - ncols) * G);
-  }
-}
-
-// Pack rows p*12 .. p*12+11 of x as ap[K][12] fp32 (missing rows are 0).
-void pack_a(const Args& a, int64_t p, float* ap, float* tmp) {
-  const int64_t K = a.K;
-  for (int r = 0; r < kMR; ++r) {
-    int64_t m = p * kMR + r;
-    if (m < a.M) {
-      cvt_row(a.x, a.x_dtype, m * K, K, tmp);
-      for (int64_t k = 0; k < K; ++k) ap[k * kMR + r] = tmp[k];
-    } else {
-      for (int64_t k = 0; k < K; ++k) ap[k * kMR + r] = 0.0f;
-    }
-  }
-}
-
-// C[12][32] (+)= ap[kc][12]^T . bp[kc][32]. Partial sums live in the fp32
-// strip tile cs[12][32] between k blocks; the last block writes rows < mr,
-// columns < nc of the output (converted to its dtype).
-void micro_12x32(const float* ap, const float* bp, int64_t kc, float* cs, bool first,
-                 bool last, const Args& a, int64_t m0, int64_t n0, int mr, int64_t nc) {
-  __m512 c0[kMR], c1[kMR];
-  if (first) {
-#pragma GCC unroll 12
-    for (int r = 0; r < kMR; ++r) {
-      c0[r] = _mm512_setzero_ps();
-      c1[r] = _mm512_setzero_ps();
-    }
-  } else {
-#pragma GCC unroll 12
-    for (int r = 0; r < kMR; ++r) {
-      c0[r] = _mm512_load_ps(cs + r * kNR);
-      c1[r] = _mm512_load_ps(cs + r * kNR + 16);
-    }
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 b0 = _mm512_load_ps(bp);
-    __m512 b1 = _mm512_load_ps(bp + 16);
-#pragma GCC unroll 12
-    for (int r = 0; r < kMR; ++r) {
-      __m512 x = _mm512_set1_ps(ap[r]);
-      c0[r] = _mm512_fmadd_ps(x, b0, c0[r]);
-      c1[r] = _mm512_fmadd_ps(x, b1, c1[r]);
-    }
-    ap += kMR;
-    bp += kNR;
-  }
-  if (!last) {
-#pragma GCC unroll 12
-    for (int r = 0; r < kMR; ++r) {
-      _mm512_store_ps(cs + r * kNR, c0[r]);
-      _mm512_store_ps(cs + r * kNR + 16, c1[r]);
-    }
-    return;
-  }
-  const int64_t N = a.N;
-  if (a.x_dtype == F32 && mr == kMR && nc == kNR) {
-    float* out = static_cast<float*>(a.out) + m0 * N + n0;
-#pragma GCC unroll 12
-    for (int r = 0; r < kMR; ++r) {
-      _mm512_storeu_ps(out + r * N, c0[r]);
-      _mm512_storeu_ps(out + r * N + 16, c1[r]);
-    }
-    return;
-  }
-  __mmask16 k0 = tail_mask(nc), k1 = tail_mask(nc > 16 ? nc - 16 : 0);
-  for (int r = 0; r < mr; ++r) {
-    store_cvt(a.out, a.x_dtype, (m0 + r) * N + n0, c0[r], k0);
-    store_cvt(a.out, a.x_dtype, (m0 + r) * N + n0 + 16, c1[r], k1);
-  }
-}
-
-void gemm(const Args& a) {
-  const int64_t M = a.M, N = a.N, K = a.K;
-  const int64_t P = ceil_div(M, kMR);
-  float* ap = tl_x.get(static_cast<size_t>(P * K * kMR));
-  const Args* pa = &a;
-  auto pack = [pa, ap, K](int64_t p0, int64_t p1) {
-    float* tmp = tl_t.get(static_cast<size_t>(K));
-    for (int64_t p = p0; p < p1; ++p) pack_a(*pa, p, ap + p * K * kMR, tmp);
-  };
-  par(P, 4, pack);
-  const int64_t NB = ceil_div(N, kNR);
-  // k blocks: a [kc][32] weight panel (32 KiB at kc = 256) stays in L1.
-  const bool dense = a.bits == 0;
-  const int64_t kc_max = dense ? kKC : (kKC / a.group_size) * a.group_size;
-  const int64_t pc = (kABlockBytes / (K * kMR * 4) > 1 ? kABlockBytes / (K * kMR * 4) : 1);
-  auto body = [pa, ap, K, M, N, P, kc_max, pc, NB, dense](int64_t t0, int64_t t1) {
-    const Args& a = *pa;
-    const int64_t G = dense ? 0 : K / a.group_size;
-    float* bp = tl_w.get(static_cast<size_t>(kc_max * kNR));
-    // scales/biases, or the dense panel's row-major staging buffer
-    float* sb = tl_t.get(static_cast<size_t>(dense ? kc_max * kNR : 2 * kNR * G));
-    float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * kMR * kNR)) : nullptr;
-    // Task t: weight panel t % NB against activation row block t / NB (pc
-    // panels, small enough to stay in L2 while the panels pass over it).
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t pb = (t / NB) * pc;
-      const int64_t pe = pb + pc < P ? pb + pc : P;
-      const int64_t n0 = (t % NB) * kNR;
-      const int64_t nc = N - n0 < kNR ? N - n0 : kNR;
-      if (!dense) load_sb(a, n0, sb);
-      for (int64_t kb = 0; kb < K; kb += kc_max) {
-        const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
-        if (dense) {
-          dense_panel<kNR>(a, n0, kb, ke, bp, sb);
-        } else if (a.bits == 4) {
-          dequant_panel<4>(a, n0, kb, ke, bp, sb);
-        } else {
-          dequant_panel<8>(a, n0, kb, ke, bp, sb);
-        }
-        for (int64_t p = pb; p < pe; ++p) {
-          int mr = static_cast<int>(M - p * kMR < kMR ? M - p * kMR : kMR);
-          micro_12x32(ap + p * K * kMR + kb * kMR, bp, ke - kb,
-                      cs ? cs + p * kMR * kNR : nullptr, kb == 0, ke == K, a, p * kMR, n0,
-                      mr, nc);
-        }
-      }
-    }
-  };
-  par_dynamic(ceil_div(P, pc) * NB, 1, body);
-  tl_x.trim(kKeepScratchFloats);
-}
+using Avx512Driver = Driver<Avx512>;
 
 } // namespace
 
-void gemv_prepare_avx512(const Args& a, float* xp) { prepare_x(a, xp); }
+void gemv_prepare_avx512(const Args& a, float* xp) { Avx512::prepare_x(a, xp); }
 
 void gemv_block_avx512(const Args& a, const float* xp, int64_t n0, int64_t n1) {
-  gemv_unit(a, xp, n0, n1);
+  Avx512Driver::gemv_unit(a, xp, n0, n1);
 }
 
-void run_avx512(const Args& a) {
-  if (a.bits != 0 && a.bits != 4 && a.bits != 8) {
-    run_portable(a);
-  } else if (a.M <= kGemvMaxRows) {
-    gemv(a);
-  } else {
-    gemm(a);
-  }
-}
+void run_avx512(const Args& a) { Avx512Driver::run(a); }
 
 } // namespace qmm
 } // namespace mlxfast

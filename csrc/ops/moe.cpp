@@ -528,17 +528,7 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
 
   auto stream = mx::to_stream(s);
   mx::array x = x_in;
-  if (norm_weight) {
-    const auto& nw = *norm_weight;
-    if (nw.ndim() != 1 || nw.shape(0) != D || !is_float(nw.dtype())) {
-      msg << "norm weight must be a float [D] with D = x.shape[-1] = " << D << ", got "
-          << nw.shape() << ".";
-      fail(op, msg.str());
-    }
-    if (!(eps >= 0.f)) fail(op, "norm eps must be >= 0.");
-    auto t = mx::promote_types(x.dtype(), nw.dtype());
-    if (t != x.dtype()) x = mx::astype(x, t, stream);
-  }
+  if (norm_weight) x = rms_norm_input(op, "norm ", x, *norm_weight, eps, stream);
   if (residual && (residual->shape() != x.shape() || residual->dtype() != x.dtype())) {
     msg << "residual must have the output's shape " << x.shape() << " and dtype " << x.dtype()
         << ", got " << residual->shape() << " " << residual->dtype() << ".";

@@ -3,23 +3,15 @@
 #include "common/op_checks.h"
 #include "common/dense_input.h"
 
-#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
 #include "common/cpu_features.h"
-#include "common/thread_pool.h"
 #include "cpu/paged_attention.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 namespace mlxfast {
-
-namespace pa {
-void parallel(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_t), void* ctx) {
-  parallel_for(n, grain, [fn, ctx](int64_t b, int64_t e) { fn(ctx, b, e); });
-}
-} // namespace pa
 
 namespace {
 
@@ -143,68 +135,6 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
 void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(
       "[mlxfast.paged_attention] no GPU kernel; mlxfast.ops uses the MLX reference on GPU.");
-}
-
-mx::array paged_gather(const mx::array& pool, const mx::array& block_tables, int block_size,
-                       mx::StreamOrDevice s) {
-  const char* op = "paged_gather";
-  if (pool.ndim() < 1) fail(op, "pool must be [num_slots, ...].");
-  if (block_size <= 0 || pool.shape(0) % block_size != 0)
-    fail(op, "block_size must be positive and divide the pool's slot count.");
-  if (block_tables.ndim() != 2 || block_tables.dtype() != mx::int32)
-    fail(op, "block_tables must be an int32 [S, B] array.");
-  auto stream = mx::to_stream(s);
-  mx::Shape shape = pool.shape();
-  shape[0] = block_tables.shape(1) * block_size;
-  shape.insert(shape.begin(), block_tables.shape(0));
-  return mx::array(shape, pool.dtype(), std::make_shared<PagedGather>(stream, block_size),
-                   {pool, block_tables});
-}
-
-std::vector<mx::Shape> PagedGather::output_shapes(const std::vector<mx::array>& inputs) {
-  mx::Shape shape = inputs[0].shape();
-  shape[0] = inputs[1].shape(1) * block_size_;
-  shape.insert(shape.begin(), inputs[1].shape(0));
-  return {shape};
-}
-
-void PagedGather::eval_cpu(const std::vector<mx::array>& inputs,
-                           std::vector<mx::array>& outputs) {
-  auto& pool = inputs[0];
-  auto& tables = inputs[1];
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(pool);
-  enc.set_input_array(tables);
-  enc.set_output_array(out);
-  const int64_t n_blocks_pool = pool.shape(0) / block_size_;
-  const int64_t block_bytes = pool.nbytes() / (n_blocks_pool > 0 ? n_blocks_pool : 1);
-  const int64_t n = tables.size();
-  DenseInput pin = dense_input(pool, enc);
-  DenseInput tin = dense_input(tables, enc);
-  char* dst = out.data<char>();
-  if (n == 0) return;
-  enc.dispatch([=]() {
-    pin.pack();
-    tin.pack();
-    const char* src = static_cast<const char*>(pin.data);
-    const int32_t* tb = tin.as<int32_t>();
-    parallel_for(n, 64, [=](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        int64_t blk = tb[i];
-        if (blk < 0 || blk >= n_blocks_pool)
-          std::memset(dst + i * block_bytes, 0, block_bytes);
-        else
-          std::memcpy(dst + i * block_bytes, src + blk * block_bytes, block_bytes);
-      }
-    });
-  });
-}
-
-void PagedGather::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "[mlxfast.paged_gather] no GPU kernel; mlxfast.ops uses the MLX reference on GPU.");
 }
 
 } // namespace mlxfast

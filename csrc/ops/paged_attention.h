@@ -1,7 +1,6 @@
 // paged_attention: each query token attends over its own sequence's KV, read
 // straight from the block pool through block tables (one primitive per layer
-// instead of gather + mask + SDPA). paged_gather: each sequence's KV blocks
-// copied into one contiguous array.
+// instead of gather + mask + SDPA).
 #pragma once
 
 #include "mlx/array.h"
@@ -29,11 +28,6 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool,
                           float scale, int block_size, bool merge_heads = false,
                           int window = 0, mx::StreamOrDevice s = {});
 
-// pool [num_slots, ...] any dtype; block_tables [S, B] int32 ->
-// [S, B * block_size, ...] (block b of sequence s = slots table[s,b]*bs ...).
-mx::array paged_gather(const mx::array& pool, const mx::array& block_tables,
-                       int block_size, mx::StreamOrDevice s = {});
-
 class PagedAttention : public mx::Primitive {
  public:
   PagedAttention(mx::Stream stream, float scale, int block_size, bool merge_heads, int window)
@@ -56,24 +50,6 @@ class PagedAttention : public mx::Primitive {
   int block_size_;
   bool merge_heads_;
   int window_;
-};
-
-class PagedGather : public mx::Primitive {
- public:
-  PagedGather(mx::Stream stream, int block_size)
-      : mx::Primitive(stream), block_size_(block_size) {}
-  void eval_cpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "MlxfastPagedGather"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return block_size_ == static_cast<const PagedGather&>(other).block_size_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-
- private:
-  int block_size_;
 };
 
 } // namespace mlxfast

@@ -18,14 +18,6 @@
 
 namespace mlxfast {
 
-namespace qmm {
-void parallel(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_t),
-              void* ctx) {
-  parallel_for(n, grain, [fn, ctx](int64_t b, int64_t e) { fn(ctx, b, e); });
-}
-int pool_size() { return num_threads(); }
-} // namespace qmm
-
 namespace {
 
 [[noreturn]] void fail(const std::string& what) {
@@ -144,21 +136,10 @@ Prepared prepare(const char* op, const mx::array& x, const Fusion& f, mx::Stream
   }
   if (f.norm_weight && !f.act.empty()) mlxfast::fail(op, "norm and act cannot both be given.");
   if (f.norm_weight) {
-    const auto& nw = *f.norm_weight;
-    if (x.ndim() < 1 || nw.ndim() != 1 || nw.shape(0) != x.shape(-1)) {
-      std::ostringstream msg;
-      msg << "norm weight must be [D] with D = x.shape[-1]; got x " << x.shape()
-          << " and norm weight " << nw.shape() << ".";
-      mlxfast::fail(op, msg.str());
-    }
-    if (!is_float(nw.dtype())) mlxfast::fail(op, "norm weight must be float32, float16 or bfloat16.");
-    if (!(f.eps >= 0.f)) mlxfast::fail(op, "norm eps must be >= 0.");
-    // As rms_norm: the normalised x has the promoted dtype.
-    auto t = mx::promote_types(x.dtype(), nw.dtype());
-    if (is_float(x.dtype()) && t != x.dtype()) p.x = mx::astype(x, t, stream);
+    p.x = rms_norm_input(op, "norm ", x, *f.norm_weight, f.eps, stream);
     p.spec.prologue = FusedSpec::Norm;
     p.spec.eps = f.eps;
-    p.extra.push_back(nw);
+    p.extra.push_back(*f.norm_weight);
   } else if (act) {
     if (x.ndim() < 1 || x.shape(-1) % 2) {
       std::ostringstream msg;

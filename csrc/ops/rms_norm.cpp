@@ -63,25 +63,27 @@ void rms_norm_rows(mx::Dtype dt, const void* x, mx::Dtype wt, const void* w, voi
   }
 }
 
-mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
+mx::array rms_norm_input(const char* op, const char* what, const mx::array& x,
+                         const mx::array& weight, float eps, mx::Stream s) {
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
     std::ostringstream msg;
-    msg << "[mlxfast.rms_norm] weight must be [D] with D = x.shape[-1]; got x "
-        << x.shape() << " and weight " << weight.shape() << ".";
-    throw std::invalid_argument(msg.str());
+    msg << what << "weight must be [D] with D = x.shape[-1]; got x " << x.shape() << " and "
+        << what << "weight " << weight.shape() << ".";
+    fail(op, msg.str());
   }
-  if (!is_float(x.dtype()) || !is_float(weight.dtype())) {
-    throw std::invalid_argument(
-        "[mlxfast.rms_norm] x and weight must be float32, float16 or bfloat16.");
+  if (!is_float(weight.dtype())) {
+    fail(op, std::string(what) + "weight must be float32, float16 or bfloat16.");
   }
-  if (!(eps >= 0.f)) {
-    throw std::invalid_argument("[mlxfast.rms_norm] eps must be >= 0.");
-  }
+  if (!(eps >= 0.f)) fail(op, std::string(what) + "eps must be >= 0.");
+  const auto t = mx::promote_types(x.dtype(), weight.dtype());
+  return x.dtype() == t ? x : mx::astype(x, t, s);
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
+  if (!is_float(x.dtype())) fail("rms_norm", "x must be float32, float16 or bfloat16.");
   auto stream = mx::to_stream(s);
-  // The result has the promoted type, as mx.fast.rms_norm's does.
-  auto out_type = mx::promote_types(x.dtype(), weight.dtype());
-  auto xc = x.dtype() == out_type ? x : mx::astype(x, out_type, stream);
-  return mx::array(xc.shape(), out_type, std::make_shared<RmsNorm>(stream, eps), {xc, weight});
+  auto xc = rms_norm_input("rms_norm", "", x, weight, eps, stream);
+  return mx::array(xc.shape(), xc.dtype(), std::make_shared<RmsNorm>(stream, eps), {xc, weight});
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

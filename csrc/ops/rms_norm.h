@@ -14,6 +14,15 @@ namespace mx = mlx::core;
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
                    mx::StreamOrDevice s = {});
 
+// The rules of every rms_norm, on its own or fused into another op's
+// prologue (projections, MoE experts), decided here only: weight [D] with
+// D = x.shape[-1], a float weight, eps >= 0 (else ValueError
+// "[mlxfast.<op>] <what>weight ..."; what is "" or "norm "), and the
+// normalised x has the promoted dtype of x and the weight, as
+// mx.fast.rms_norm's result does. Returns x cast to that dtype.
+mx::array rms_norm_input(const char* op, const char* what, const mx::array& x,
+                         const mx::array& weight, float eps, mx::Stream s);
+
 // The kernel on dense rows, for other primitives that fuse a norm (the
 // projections' prologue): x and out [rows, d] in dt, w [d] in wt. Fans out
 // over the thread pool; call it inside a dispatched task. Same numbers as

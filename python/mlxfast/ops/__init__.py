@@ -20,7 +20,7 @@ from .activation import (ACTS, gelu_mul, gelu_mul_halves, gelu_mul_halves_refere
                          silu_mul_halves_reference, silu_mul_reference)
 from .attention import (has_native_paged_attention, kv_write, kv_write_pair,
                         kv_write_pair_reference, kv_write_reference, paged_attention,
-                        paged_attention_reference, paged_gather, paged_gather_reference)
+                        paged_attention_reference, paged_gather_reference)
 from .dispatch import cpu_path, cpu_supports, num_threads, on_cpu, set_cpu_path
 from .kvquant import (KVQuantFormat, has_native_kv_quant, kv_quant_dequant,
                       kv_quant_dequant_reference, kv_quant_encode, kv_quant_encode_reference,
@@ -40,7 +40,7 @@ __all__ = [
     "kv_quant_paged_attention_reference", "kv_write", "kv_write_pair", "kv_write_pair_reference",
     "kv_write_reference", "moe_experts", "moe_experts_reference", "moe_route",
     "moe_route_reference", "num_threads", "on_cpu", "paged_attention", "paged_attention_reference",
-    "paged_gather", "paged_gather_reference", "qkv_rope", "qkv_rope_reference", "quantized_matmul",
+    "paged_gather_reference", "qkv_rope", "qkv_rope_reference", "quantized_matmul",
     "quantized_matmul_reference", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
     "sample_tokens", "sample_tokens_reference", "set_cpu_path", "silu_mul", "silu_mul_halves",
     "silu_mul_halves_reference", "silu_mul_reference",

@@ -66,14 +66,6 @@ def paged_gather_reference(pool: mx.array, block_tables: mx.array, block_size: i
     return blocks.reshape(S, B * block_size, *pool.shape[1:])
 
 
-def paged_gather(pool: mx.array, block_tables: mx.array, block_size: int, *, stream=None) -> mx.array:
-    """Each sequence's K or V as one contiguous array: pool [num_blocks*bs, Hkv, D]
-    (any float dtype), block_tables [S, B] int32 -> [S, B*bs, Hkv, D]."""
-    if dispatch.on_cpu(stream) and hasattr(_ext, "paged_gather"):
-        return _ext.paged_gather(pool, block_tables, block_size, stream=stream)
-    return paged_gather_reference(pool, block_tables, block_size)
-
-
 def paged_attention_reference(
     q: mx.array,
     k_pool: mx.array,
