@@ -413,9 +413,35 @@ def test_select_takes_the_draft_tokens_that_give_the_most_tokens_per_second():
     assert select([[0.4, 0.36, 0.33, 0.3, 0.27, 0.25, 0.22, 0.2]], 1, 1, step) == [8]
 
 
+def test_draft_select_all_verifies_every_proposal(model, tok, monkeypatch):
+    """A proposer that is always wrong: ``draft_select="all"`` verifies every
+    one of its drafts (where the adaptive choice weighs them by their chance
+    and cost: test_select_*), and the tokens are the plain ones either way."""
+
+    class Wrong:
+        match = 4
+
+        def __init__(self, *a):
+            pass
+
+        def propose(self, tokens, k):
+            return [(tokens[-1] + 1) % VOCAB] * k if tokens[-1] != 0 else [1] * k
+
+    monkeypatch.setattr(spec_mod, "NgramProposer", Wrong)
+    reqs = [Request(PROMPTS[0], greedy(40, ignore_eos=True))]
+    plain, _ = run(model, tok, reqs, spec=False)
+    adaptive, _ = run(model, tok, reqs)
+    every, s_all = run(model, tok, reqs, draft_select="all", num_draft_tokens=4)
+    assert [r[0] for r in adaptive] == [r[0] for r in every] == [r[0] for r in plain]
+    drafted_all = s_all["spec_decode"]["num_draft_tokens"]
+    # every step but the last ones (room for fewer) verifies 4 tokens, nearly all of them rejected
+    assert drafted_all >= 4 * 30 and s_all["spec_decode"]["num_accepted_tokens"] <= drafted_all // 4
+
+
 @pytest.mark.parametrize("cfg", [dict(spec_kind="eagle"), dict(spec_kind="ngram", num_draft_tokens=0),
                                  dict(spec_kind="ngram", num_draft_tokens=33),
-                                 dict(spec_kind="ngram", ngram_min=3, ngram_max=2)])
+                                 dict(spec_kind="ngram", ngram_min=3, ngram_max=2),
+                                 dict(spec_kind="ngram", draft_select="every")])
 def test_bad_speculation_settings_are_refused(model, tok, cfg):
     with pytest.raises(ValueError):
         Engine(model, tok, EngineConfig(num_blocks=16, **cfg))

@@ -105,6 +105,8 @@ def test_drafts_are_reported_in_the_stream_responses_stats_and_metrics(server_b)
     (["--draft-kind", "model"], "--draft-model"),
     (["--draft-kind", "ngram", "--draft-model", "x.gguf"], "no --draft-model"),
     (["--draft-model", "x.gguf", "--ngram-max", "3"], "--ngram-max"),
+    (["--draft-select", "all"], "--draft-kind"),
+    (["--draft-kind", "ngram", "--draft-select", "some"], "invalid choice"),
 ])
 def test_bad_speculation_flags_are_a_clear_startup_error(args, words):
     r = subprocess.run([sys.executable, "-m", "mlxfast.serve", "--port", "1", *args], capture_output=True,

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="speculative decoding: draft tokens per row and step at most "
                         "(default 8 for ngram, 3 for a draft model; 1..32)")
+    p.add_argument("--draft-select", choices=["adaptive", "all"], default=None,
+                   help="speculative decoding: verify the draft tokens worth their cost (adaptive, the "
+                        "default) or every proposed one (all, as mlx-lm and vLLM do)")
     p.add_argument("--ngram-max", type=int, default=None, metavar="N",
                    help="prompt lookup: the longest trailing n-gram looked up (default 4)")
     p.add_argument("--ngram-min", type=int, default=None, metavar="N",
@@ -160,7 +163,7 @@ def _engine_config(args):
               "ssd_flush_timeout_s": args.ssd_flush_timeout,
               "ssd_restore_timeout_s": args.ssd_restore_timeout, "spec_kind": args.draft_kind,
               "num_draft_tokens": args.num_draft_tokens, "ngram_min": args.ngram_min,
-              "ngram_max": args.ngram_max}
+              "ngram_max": args.ngram_max, "draft_select": args.draft_select}
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
 
@@ -221,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_kind == "model" and (args.ngram_min is not None or args.ngram_max is not None):
         return _fail("--ngram-min and --ngram-max are for --draft-kind ngram")
     if args.draft_kind is None and any(v is not None for v in (args.num_draft_tokens, args.ngram_min,
-                                                               args.ngram_max)):
-        return _fail("--num-draft-tokens, --ngram-min and --ngram-max need --draft-kind")
+                                                               args.ngram_max, args.draft_select)):
+        return _fail("--num-draft-tokens, --draft-select, --ngram-min and --ngram-max need --draft-kind")
     if args.draft_kind == "model" and args.num_draft_tokens is None:
         args.num_draft_tokens = 3
     if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= 32:

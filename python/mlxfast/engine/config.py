@@ -32,6 +32,10 @@ class EngineConfig:
     num_draft_tokens: int = 8  # drafts per row and step, at most (each row adapts below it)
     ngram_min: int = 1  # prompt lookup: the shortest trailing n-gram looked up
     ngram_max: int = 4  # ... and the longest (tried first)
+    # "adaptive": the drafts worth their cost (engine/spec.py select); "all":
+    # every proposed token, as mlx-lm and vLLM verify (the steps then do not
+    # depend on measured times)
+    draft_select: str = "adaptive"
     draft_model: object = None  # spec_kind "model": a loaded model sharing the tokenizer (engine/draft.py)
     # Tensor parallelism: rank 0's engine.distributed.StepChannel (the model is
     # sharded, models/shard.py); None in one process

@@ -161,6 +161,8 @@ class Engine:
             raise ValueError(f"unknown speculative decoding kind {cfg.spec_kind!r} (known: ngram, model)")
         if (cfg.spec_kind == "model") != (cfg.draft_model is not None):
             raise ValueError("speculative decoding kind 'model' takes a draft model, and only it does")
+        if cfg.draft_select not in ("adaptive", "all"):
+            raise ValueError(f"draft_select must be 'adaptive' or 'all', got {cfg.draft_select!r}")
         if cfg.spec_kind and not 1 <= cfg.num_draft_tokens <= 32:
             raise ValueError(f"num_draft_tokens must be within [1, 32], got {cfg.num_draft_tokens}")
         if cfg.spec_kind:
@@ -329,7 +331,8 @@ class Engine:
                     draft = DraftModel(self.config.draft_model, self.num_blocks, self.block_size,
                                        self.kv_dtype, native=self.config.native_attention,
                                        max_catchup=self.config.max_num_batched_tokens)
-                self.drafter = self.scheduler.drafter = Drafter(self.config.num_draft_tokens, draft)
+                self.drafter = self.scheduler.drafter = Drafter(self.config.num_draft_tokens, draft,
+                                                                   select_all=self.config.draft_select == "all")
             if self.config.ssd_cache_dir:
                 from ..kv.ssd import open_tier
 

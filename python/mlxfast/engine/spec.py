@@ -274,9 +274,10 @@ class Drafter:
     sampling does not allow speculation). With ``draft_model``
     (engine/draft.py) drafts come from it, else from prompt lookup."""
 
-    def __init__(self, k_max: int, draft_model=None):
+    def __init__(self, k_max: int, draft_model=None, select_all: bool = False):
         self.k_max = k_max
         self.draft_model = draft_model
+        self.select_all = select_all  # verify every proposed token (--draft-select all)
         self.cost = StepCost()
         self.lookup = MatchAcceptance()  # prompt lookup's acceptance, by match length
 
@@ -303,7 +304,7 @@ class Drafter:
             else:  # a draft model's tokens cost a forward each: choose lengths first
                 a = sp.acceptance.alpha
                 chances.append([a ** n for n in range(1, k + 1)])
-        take = select(chances, tokens, sampled, self.cost)
+        take = [len(c) for c in chances] if self.select_all else select(chances, tokens, sampled, self.cost)
         if self.draft_model is not None:
             drafted = self.draft_model.propose([(seq, 0 if sp.forced else n)
                                                 for (_, seq, _), sp, n in zip(live, specs, take)])

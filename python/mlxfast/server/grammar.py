@@ -21,15 +21,23 @@ class GrammarCompiler:
         self._lltok = None
         self._lock = threading.Lock()
 
-    @property
-    def lltok(self):
+    def lltok(self, param: str = "response_format"):
+        """llguidance's view of the tokenizer, made once; a tokenizer it
+        cannot read (e.g. a tokenizer.json without a decoder) makes every
+        grammar a 400 naming why, not an internal error."""
         with self._lock:
             if self._lltok is None:
                 import llguidance
 
-                self._lltok = llguidance.LLTokenizer(
-                    self._tokenizer.hf_json(), n_vocab=self._n_vocab, eos_token=self._eos_ids(),
-                )
+                try:
+                    self._lltok = llguidance.LLTokenizer(
+                        self._tokenizer.hf_json(), n_vocab=self._n_vocab, eos_token=self._eos_ids(),
+                    )
+                except Exception as e:  # llguidance raises plain ValueErrors and RuntimeErrors
+                    self._lltok = e
+            if isinstance(self._lltok, Exception):
+                raise bad_request(f"{param} cannot be enforced: the grammar engine cannot read this model's "
+                                  f"tokenizer ({_first_line(str(self._lltok))})", param=param)
             return self._lltok
 
     def _eos_ids(self) -> list[int]:
@@ -53,7 +61,7 @@ class GrammarCompiler:
         not an error mid-stream."""
         import llguidance
 
-        lltok = self.lltok
+        lltok = self.lltok(param)
         err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if err and not err.startswith("WARNING"):
             raise bad_request(f"{param} cannot be enforced: {_first_line(err)}", param=param)
@@ -83,10 +91,10 @@ class GrammarCompiler:
                               param) from None
         return self._factory(grammar, param)
 
-    def _marker(self, text: str) -> str:
+    def _marker(self, text: str, param: str) -> str:
         """A Lark literal for ``text``; a single special token is written as its id."""
         ids = self._tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) == 1 and self.lltok.is_special_token(ids[0]):
+        if len(ids) == 1 and self.lltok(param).is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
@@ -119,12 +127,12 @@ class GrammarCompiler:
         schema_opts = dict(schema, **{"x-guidance": _JSON_OPTIONS})
         body = json.dumps(schema_opts)
         if family == "mistral":
-            lark = f'start: {self._marker("[TOOL_CALLS]")} "[" call "]"\ncall: %json {body}\n'
+            lark = f'start: {self._marker("[TOOL_CALLS]", param)} "[" call "]"\ncall: %json {body}\n'
         elif family == "llama3":
             lark = f"start: call\ncall: %json {body}\n"
         else:
             lark = (
-                f'start: {self._marker("<tool_call>")} "\\n" call "\\n" {self._marker("</tool_call>")}\n'
+                f'start: {self._marker("<tool_call>", param)} "\\n" call "\\n" {self._marker("</tool_call>", param)}\n'
                 f"call: %json {body}\n"
             )
         if answer is not None:
