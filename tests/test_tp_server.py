@@ -158,6 +158,26 @@ def test_health_and_stats_report_every_rank(launched):
     assert s["engine"]["tensor_parallel"]["messages"] > 0
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads a process's CPU time from /proc")
+def test_an_idle_rank_sleeps(launched):
+    """Between messages a follower sleeps on its link to rank 0 (rank 0
+    rings it before each one) instead of busy-polling in the backend's
+    collective, where an idle follower took a whole core. Over 3 idle
+    seconds (three heartbeats) it may use a small share of one."""
+    url, _ = launched
+    pids = [r["pid"] for r in httpx.get(url + "/stats").json()["engine"]["ranks"]]
+    before = _cpu_seconds(pids[1])
+    time.sleep(3.0)
+    used = _cpu_seconds(pids[1]) - before
+    assert used < 0.3, f"an idle follower used {used:.2f} s of CPU in 3 s"
+    assert _complete(url, PROMPTS[0])["choices"][0]["text"]  # and wakes for the next request
+
+
 def test_graceful_stop_ends_every_rank(launched):
     url, proc = launched
     pids = [r["pid"] for r in httpx.get(url + "/stats").json()["engine"]["ranks"]]

@@ -455,11 +455,13 @@ def _follow(args) -> int:
             print(f"mlxfast: error: rank {rank}: rank 0 is gone; exiting", file=sys.stderr, flush=True)
             os._exit(1)
 
-        distributed.Liveness(group, lost)
+        liveness = distributed.Liveness(group, lost)
         model, _ = load_model(args.model)
         distributed.check_same_model(group, model)
         shard_model(model, group)
-        distributed.Follower(model, distributed.StepChannel(group, timeout_s=args.tp_timeout)).run()
+        channel = distributed.StepChannel(group, timeout_s=args.tp_timeout)
+        channel.liveness = liveness  # rank 0 rings it before each message: an idle rank sleeps
+        distributed.Follower(model, channel).run()
     except (ShardError, ValueError, FileNotFoundError, ConnectionError) as e:
         return _fail(f"rank {rank}: could not start the model: {e}")
     except RuntimeError as e:  # the backend's "connection to a peer was lost", a mismatched model

@@ -244,6 +244,7 @@ class Liveness:
         self.on_lost = on_lost
         self.closing = False  # set before a clean stop: EOFs are expected then
         self._socks: dict[int, socket.socket] = {}
+        self._bells = threading.Semaphore(0)  # a follower: rank 0's "a message follows", one per byte
         srv = None
         ip = port = 0
         if self.rank == 0:
@@ -311,10 +312,30 @@ class Liveness:
                 except OSError:
                     data = b""
                 if data:
+                    for _ in range(len(data) if self.rank else 0):
+                        self._bells.release()
                     continue
                 del socks[r]
                 if not self.closing:
                     self.on_lost(r)
+
+    @property
+    def linked(self) -> bool:
+        return bool(self._socks)
+
+    def ring(self) -> None:
+        """Rank 0, before each message: a byte to every linked rank, so that
+        a waiting follower sleeps on its socket instead of busy-polling in
+        the backend's collective (the ring backend's threads spin while a
+        transfer is pending: an idle follower took a whole core)."""
+        for sock in self._socks.values():
+            try:
+                sock.sendall(b"\x01")
+            except OSError:
+                pass  # a closed link: the monitor thread reports it
+
+    def wait_bell(self, timeout: float) -> bool:
+        return self._bells.acquire(timeout=timeout)
 
     def close(self) -> None:
         self.closing = True
@@ -399,12 +420,21 @@ class StepChannel:
         buf[0], buf[1] = kind, n
         first = min(n, CAPACITY - _HEAD)
         buf[_HEAD:_HEAD + first] = payload[:first]
+        if self.liveness is not None:
+            self.liveness.ring()
         self._reduce(buf)
         if n > first:
             self._reduce(payload[first:])
         self.messages += 1
 
     def recv(self) -> tuple[int, np.ndarray]:
+        if self.liveness is not None and self.liveness.linked:
+            # Sleep until rank 0 rings (it pings every heartbeat when idle);
+            # a link rank 0 does not know of never rings: after a few
+            # heartbeats' silence, wait in the collective as without a link.
+            for _ in range(3):
+                if self.liveness.wait_bell(max(self.heartbeat_s, 0.1)):
+                    break
         buf = self._reduce(np.zeros(CAPACITY, np.int32))
         kind, n = int(buf[0]), int(buf[1])
         if kind not in _KINDS or n < 0:
