@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu_eval.h"
 #include "common/dense_input.h"
 #include "common/op_checks.h"
 #include "common/thread_pool.h"
@@ -91,10 +92,7 @@ mx::array dequantize_rows(const mx::array& w, const mx::array& scales, const mx:
 void DequantizeRows::eval_cpu(const std::vector<mx::array>& inputs,
                               std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   DenseInput w = dense_input(inputs[0], enc), sc = dense_input(inputs[1], enc),
              bi = dense_input(inputs[2], enc), ids = dense_input(inputs[3], enc);
   const int64_t V = inputs[0].shape(0);

@@ -3,6 +3,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/cpu_eval.h"
 #include "common/op_checks.h"
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
@@ -80,10 +81,7 @@ mx::array kv_quant_encode(const mx::array& k, const mx::array& v, const mx::arra
 void KVQuantEncode::eval_cpu(const std::vector<mx::array>& inputs,
                              std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   kvq::EncodeArgs a;
   a.k = inputs[0].data<void>();
   a.v = inputs[1].data<void>();
@@ -134,12 +132,7 @@ std::vector<mx::array> kv_quant_dequant(const mx::array& packed, const mx::array
 
 void KVQuantDequant::eval_cpu(const std::vector<mx::array>& inputs,
                               std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-  }
+  auto& enc = begin_eval(stream(), inputs, outputs);
   kvq::DequantArgs a;
   a.packed = inputs[0].data<uint8_t>();
   a.signs = inputs[1].data<float>();
@@ -208,10 +201,7 @@ mx::array kv_quant_paged_attention(const mx::array& q, const mx::array& packed,
 void KVQuantAttention::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   kvq::AttnArgs a;
   a.q = inputs[0].data<void>();
   a.packed = inputs[1].data<uint8_t>();

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/cpu_eval.h"
 #include "common/cpu_features.h"
 #include "common/dense_input.h"
 #include "common/op_checks.h"
@@ -431,12 +432,7 @@ std::vector<mx::Shape> MoeRoute::output_shapes(const std::vector<mx::array>& inp
 void MoeRoute::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& inds = outputs[0];
   auto& scores = outputs[1];
-  inds.set_data(mx::allocator::malloc(inds.nbytes()));
-  scores.set_data(mx::allocator::malloc(scores.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(inds);
-  enc.set_output_array(scores);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   const DenseInput lin = dense_input(inputs[0], enc);
   const int64_t E = inputs[0].shape(-1);
   const int64_t rows = E > 0 ? static_cast<int64_t>(inputs[0].size()) / E : 0;
@@ -558,10 +554,7 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
 
 void MoeExperts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) enc.set_input_array(in);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
 
   const bool q = bits_ > 0;
   size_t i = 3;

@@ -1,5 +1,6 @@
 #include "ops/paged_attention.h"
 
+#include "common/cpu_eval.h"
 #include "common/op_checks.h"
 #include "common/dense_input.h"
 
@@ -91,10 +92,7 @@ std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
                               std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   std::vector<DenseInput> dense;
   for (auto& x : inputs) dense.push_back(dense_input(x, enc));
   pa::Args a;

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/cpu_eval.h"
 #include "common/dense_input.h"
 #include "common/thread_pool.h"
 #include "cpu/rope_rotate.h"
@@ -118,12 +119,7 @@ std::vector<mx::array> qkv_rope(const mx::array& qkv, const mx::array& positions
 }
 
 void QkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-  }
+  auto& enc = begin_eval(stream(), inputs, outputs);
   std::vector<DenseInput> in;
   for (auto& a : inputs) in.push_back(dense_input(a, enc));
   auto p = p_;

@@ -4,6 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/cpu_eval.h"
 #include "common/dense_input.h"
 #include "common/op_checks.h"
 #include "common/thread_pool.h"
@@ -90,11 +91,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   auto& x = inputs[0];
   auto& w = inputs[1];
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(x);
-  enc.set_input_array(w);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   int64_t d = x.shape(-1);
   int64_t rows = d ? x.size() / d : 0;
   float eps = eps_;

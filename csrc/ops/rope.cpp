@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/cpu_eval.h"
 #include "common/dense_input.h"
 #include "common/thread_pool.h"
 #include "cpu/rope_rotate.h"
@@ -68,10 +69,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   auto& x = inputs[0];
   auto& pos = inputs[1];
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
 
   DenseInput xin = dense_input(x, enc);
   DenseInput pin = dense_input(pos, enc);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/cpu_eval.h"
 #include "common/dense_input.h"
 #include "common/op_checks.h"
 #include "common/thread_pool.h"
@@ -357,10 +358,7 @@ mx::array sample_tokens(const mx::array& logits, const mx::array& keys,
 void SampleTokens::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   const int64_t R = inputs[0].shape(0);
   const int64_t V = inputs[0].shape(1);
   auto dt = inputs[0].dtype();

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/cpu_eval.h"
 #include "common/cpu_features.h"
 #include "common/dense_input.h"
 #include "common/op_checks.h"
@@ -136,10 +137,7 @@ void gated_mul_halves_rows(GatedAct act, const void* gate_up, void* out, int64_t
 void GatedMul::eval_cpu(const std::vector<mx::array>& inputs,
                         std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   const int64_t m = out.ndim() ? out.shape(-1) : 1;
   const int64_t rows = m ? out.size() / m : 0;
   const int64_t stride = halves_ ? 2 * m : m;
