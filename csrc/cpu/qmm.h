@@ -61,6 +61,15 @@ inline float sym_bias(int bits) { return -static_cast<float>(1 << (bits - 1)); }
 // or ahead at 16 rows.
 constexpr int64_t kGemvMaxRows = 16;
 
+// 8-bit weights stay on the GEMV path to 64 rows: the default model's 8-bit
+// output head (49152 x 576) took 6.4-7.9 ms at 17 rows on GEMV against
+// 11.9-14.3 on GEMM, 21-22 against 25-26 at 64, even at 96; forced AVX2
+// 15 against 23 ms at 17 rows, 45 against 62-68 at 64 (alternating runs, a
+// loaded machine). That is a speculative step's head at one stream with 16
+// draft tokens, or eight streams with up to 7 each.
+constexpr int64_t kGemvMaxRows8 = 64;
+inline int64_t gemv_max_rows(int bits) { return bits == 8 ? kGemvMaxRows8 : kGemvMaxRows; }
+
 // GEMV software-prefetch distance, in weight rows ahead of the row being
 // read. The hardware streamers alone left one core latency-bound: the 8-bit
 // output head (49152 x 576) ran at ~9 GB/s; prefetching 8 rows ahead took it

@@ -279,7 +279,7 @@ struct Driver {
   static void run(const Args& a) {
     if (a.bits != 0 && a.bits != 4 && a.bits != 8) {
       run_portable(a);
-    } else if (a.M <= kGemvMaxRows) {
+    } else if (a.M <= gemv_max_rows(a.bits)) {
       gemv(a);
     } else {
       gemm(a);
