@@ -103,7 +103,12 @@ bool cpu_has_avx_vnni() {
 
 std::string int8_acts_unsupported() {
 #if defined(MLXFAST_X86)
-  if (cpu_has_avx512_vnni()) return "";
+  if (cpu_has_avx512_vnni()) {
+    const CpuPath p = cpu_path();
+    if (p == CpuPath::Avx512) return "";
+    return std::string("int8 activations run on the avx512 kernel path; the CPU path in use is '") +
+           cpu_path_name(p) + "' (MLXFAST_CPU_PATH).";
+  }
   std::string missing;
   auto lacks = [&missing](bool has, const char* f) {
     if (!has) missing += (missing.empty() ? "" : ", ") + std::string(f);
