@@ -93,16 +93,20 @@ def test_int8_is_not_fp32(path):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gemv_rows_do_not_depend_on_their_batch(path, bits):
+def test_rows_do_not_depend_on_their_batch(path, bits):
     # Per-row quantization and a fixed accumulation order per output: a row
-    # gives the same bits alone or in a batch of up to 16.
+    # gives the same bits alone or in a GEMV batch (up to 7 rows), and the
+    # same bits in any GEMM batch (8 rows and more, any micro-tile height).
     wq, s, b = make_weights(45, 576, 32, bits)
-    x = mx.random.normal((16, 576))
-    full = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=bits, activations="int8")
-    for m in (0, 5, 15):
-        one = ops.quantized_matmul(x[m:m + 1], wq, s, b, group_size=32, bits=bits,
-                                   activations="int8")
-        assert mx.array_equal(one[0], full[m])
+    x = mx.random.normal((40, 576))
+    kw = dict(group_size=32, bits=bits, activations="int8")
+    gemv = ops.quantized_matmul(x[:7], wq, s, b, **kw)
+    for m in (0, 3, 6):
+        one = ops.quantized_matmul(x[m:m + 1], wq, s, b, **kw)
+        assert mx.array_equal(one[0], gemv[m])
+    full = ops.quantized_matmul(x, wq, s, b, **kw)
+    for n in (8, 9, 16, 24):
+        assert mx.array_equal(ops.quantized_matmul(x[:n], wq, s, b, **kw), full[:n])
 
 
 def test_fused_pieces_match_separate_ops(path):

@@ -164,7 +164,7 @@ class QuantizedEmbedding(nn.Module):
         super().__init__()
         self.group_size = group_size
         self.bits = bits
-        self.activations = "fp32"  # of as_linear (a tied output head)
+        self.activations = "fp32"  # of as_linear (a tied output head; set_matmul_activations keeps fp32)
         self.weight = mx.zeros((num, dims * bits // 32), dtype=mx.uint32)
         self.scales = mx.zeros((num, dims // group_size))
         self.biases = mx.zeros((num, dims // group_size))
@@ -183,12 +183,16 @@ class QuantizedEmbedding(nn.Module):
 
 
 def set_matmul_activations(model: nn.Module, mode: str) -> int:
-    """Set every quantized projection of ``model`` (of 4 or 8 bits, see
-    ``INT8_ACTIVATION_BITS``) to ``mode`` ("fp32" or "int8"); returns how
-    many layers now run int8 activations. Dense layers, the MoE experts and
-    other widths keep fp32. Raises ValueError for an unknown mode, and for
-    "int8" where ops run on a CPU without a native int8 kernel (the message
-    names what the CPU lacks)."""
+    """Set every quantized projection inside ``model``'s blocks (of 4 or 8
+    bits, see ``INT8_ACTIVATION_BITS``) to ``mode`` ("fp32" or "int8");
+    returns how many layers now run int8 activations. The output head
+    (``lm_head``, or the tied embedding's ``as_linear``) keeps fp32: its
+    logits pick the token, and int8 there cost top-1 agreement with
+    llama.cpp (default model, 7,424 positions: 95.65% with an int8 head,
+    96.04% without, fp32 95.81%) for no decode or prefill gain (one row).
+    Dense layers, the MoE experts and other widths keep fp32 too. Raises
+    ValueError for an unknown mode, and for "int8" where ops run on a CPU
+    without a native int8 kernel (the message names what the CPU lacks)."""
     if mode not in MATMUL_ACTIVATIONS:
         raise ValueError(f"matmul activations must be one of {', '.join(MATMUL_ACTIVATIONS)}, "
                          f"got {mode!r}")
@@ -197,9 +201,10 @@ def set_matmul_activations(model: nn.Module, mode: str) -> int:
         if missing:
             raise ValueError(f"--matmul-activations int8: {missing}")
     n = 0
-    for _, layer in model.named_modules():
+    for path, layer in model.named_modules():
         if isinstance(layer, (QuantizedLinear, QuantizedEmbedding)):
-            on = mode == "int8" and layer.bits in INT8_ACTIVATION_BITS
+            head = isinstance(layer, QuantizedEmbedding) or path.split(".")[-1] == "lm_head"
+            on = mode == "int8" and layer.bits in INT8_ACTIVATION_BITS and not head
             layer.activations = "int8" if on else "fp32"
             n += on
     model.matmul_activations = mode
