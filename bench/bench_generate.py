@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_generate.py [--decode 256] [--prefill 512 2048] [--rounds 3]
         [--model FILE.gguf --no-mlx-lm]   # another GGUF, e.g. Gemma 3 270M
         [--shape 1b|8b --qtype q4_0|q8_0 --no-mlx-lm]   # a random-weight file of that shape
+        [--matmul-activations int8]   # also mlxfast with int8 activations, same rounds
 
 ``--shape`` writes (once, into ~/.cache/mlxfast-bench) a random-weight llama
 GGUF with the shapes of Llama-3.2-1B or Llama-3.1-8B (bench/sized_gguf.py) and
@@ -75,13 +76,13 @@ def mlxfast_bytes_per_token(model) -> int:
     return total
 
 
-def bench_mlxfast(path, n_decode: int, prefills: list[int]):
+def bench_mlxfast(path, n_decode: int, prefills: list[int], activations: str = "fp32"):
     """Load once; return a function that measures one round."""
     import mlxfast
     from mlxfast.generation import stream_generate
     from mlxfast.kv import DenseKVCache
 
-    model, tok = mlxfast.load(path)
+    model, tok = mlxfast.load(path, matmul_activations=activations)
     list(stream_generate(model, tok, _prompt_ids(tok, 32), max_tokens=8))  # warm-up
     nbytes = mlxfast_bytes_per_token(model)
 
@@ -188,7 +189,11 @@ def main() -> None:
                     help="skip mlx-lm prefill above this length (it takes minutes)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternating rounds of mlxfast and llama.cpp (medians are reported)")
-    ap.add_argument("--one-round", choices=["mlxfast", "llama.cpp"], help=argparse.SUPPRESS)
+    ap.add_argument("--one-round", choices=["mlxfast", "mlxfast-int8", "llama.cpp"],
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--matmul-activations", choices=["fp32", "int8"], default="fp32",
+                    help="int8: also run mlxfast with int8 activations (mlxfast-int8), in the same "
+                         "alternating rounds")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the built-in model)")
     ap.add_argument("--no-mlx-lm", action="store_true",
                     help="only mlxfast and llama.cpp (mlx-lm takes minutes on Linux CPU)")
@@ -207,8 +212,11 @@ def main() -> None:
         gguf = sized_gguf.cached(args.shape, args.qtype)
     keys = ["decode_tok_s"] + [f"prefill_{p}_tok_s" for p in args.prefill]
     if args.one_round:  # child: one engine, one round, JSON on the last line
-        run = (bench_mlxfast(gguf, args.decode, args.prefill) if args.one_round == "mlxfast"
-               else bench_llama_cpp(gguf, args.decode, args.prefill))
+        if args.one_round == "llama.cpp":
+            run = bench_llama_cpp(gguf, args.decode, args.prefill)
+        else:
+            run = bench_mlxfast(gguf, args.decode, args.prefill,
+                                "int8" if args.one_round == "mlxfast-int8" else "fp32")
         print(json.dumps(run() if run else None))
         return
     # Each round runs each engine in its own process (no thread pool of one
@@ -216,6 +224,8 @@ def main() -> None:
     # this shared machine lands on both; the ratio reported is the median of
     # the per-round ratios.
     rounds = {"mlxfast": [], "llama.cpp": []}
+    if args.matmul_activations == "int8":
+        rounds = {"mlxfast": [], "mlxfast-int8": [], "llama.cpp": []}
     bandwidth = copy_bandwidth_gbs()
     for _ in range(args.rounds):
         for name in rounds:
@@ -240,16 +250,26 @@ def main() -> None:
         ratio = "".join(f"{rows['mlxfast'][k] / rows['mlx-lm'][k]:>20.2f}" if k in rows["mlx-lm"]
                         else f"{'-':>20}" for k in keys)
         print(f"{'/ mlx-lm':<12}" + ratio)
-    if "llama.cpp" in rounds:
-        per = {k: [a[k] / b[k] for a, b in zip(rounds["mlxfast"], rounds["llama.cpp"])] for k in keys}
-        print(f"{'/ llama.cpp':<12}" + "".join(f"{statistics.median(per[k]):>20.2f}" for k in keys))
-        print("per-round decode ratio vs llama.cpp: "
+    def ratios(num: str, den: str, label: str) -> None:
+        per = {k: [a[k] / b[k] for a, b in zip(rounds[num], rounds[den])] for k in keys}
+        print(f"{label:<12}" + "".join(f"{statistics.median(per[k]):>20.2f}" for k in keys)
+              + f"   ({num} / {den}, median of per-round ratios)")
+        print(f"  per-round decode ratio {num} / {den}: "
               + ", ".join(f"{v:.2f}" for v in per["decode_tok_s"]))
+
+    if "llama.cpp" in rounds:
+        ratios("mlxfast", "llama.cpp", "/ llama.cpp")
+        if "mlxfast-int8" in rounds:
+            ratios("mlxfast-int8", "llama.cpp", "int8/llama")
+    if "mlxfast-int8" in rounds:
+        ratios("mlxfast-int8", "mlxfast", "int8/fp32")
     if args.shape:
         import sized_gguf
 
         per_token = {"mlxfast": rounds["mlxfast"][0]["bytes_per_token"],
                      "llama.cpp": sized_gguf.bytes_read_per_token(args.shape, args.qtype)}
+        if "mlxfast-int8" in rounds:
+            per_token["mlxfast-int8"] = rounds["mlxfast-int8"][0]["bytes_per_token"]
         print(f"copy bandwidth (2 threads, read + write): {bandwidth:.1f} GB/s")
         for name in rounds:
             need = per_token[name] / 1e9

@@ -73,14 +73,24 @@ NB_MODULE(_ext, m) {
         [](const mx::array& x, const mx::array& w, const mx::array& scales,
            const mx::array& biases, int group_size, int bits, std::optional<mx::array> norm,
            float eps, std::optional<std::string> act, std::optional<mx::array> residual,
-           mx::StreamOrDevice s) {
+           const std::string& activations, mx::StreamOrDevice s) {
+          if (activations != "fp32" && activations != "int8") {
+            throw std::invalid_argument(
+                "[mlxfast.quantized_matmul] activations must be 'fp32' or 'int8', got '" +
+                activations + "'.");
+          }
           return mlxfast::quantized_matmul(x, w, scales, biases, group_size, bits,
                                            mlxfast::Fusion{norm, eps, act.value_or(""), residual},
-                                           s);
+                                           activations == "int8", s);
         },
         "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
         "norm"_a = nb::none(), "eps"_a = 0.f, "act"_a = nb::none(), "residual"_a = nb::none(),
-        "stream"_a = nb::none());
+        "activations"_a = "fp32", "stream"_a = nb::none());
+  m.def("quantized_matmul_direct", &mlxfast::quantized_matmul_direct, "x"_a, "w"_a, "scales"_a,
+        "biases"_a.none(), nb::kw_only(), "group_size"_a, "bits"_a, "int8"_a, "path"_a,
+        "Test hook: the kernels on evaluated arrays (biases None: symmetric).");
+  m.def("int8_activations_unsupported", &mlxfast::int8_acts_unsupported,
+        "'' where this CPU runs the int8-activation matmul natively, else what it lacks.");
   m.def("dequantize_rows", &mlxfast::dequantize_rows, "w"_a, "scales"_a, "biases"_a, "ids"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "dtype"_a = nb::none(), "stream"_a = nb::none());
   m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,

@@ -80,6 +80,54 @@ void set_cpu_path(const std::string& name) {
   set_locked(name);
 }
 
+bool cpu_has_avx512_vnni() {
+#if defined(MLXFAST_X86)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx_vnni() {
+#if defined(MLXFAST_X86)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+std::string int8_acts_unsupported() {
+#if defined(MLXFAST_X86)
+  if (cpu_has_avx512_vnni()) {
+    const CpuPath p = cpu_path();
+    if (p == CpuPath::Avx512) return "";
+    return std::string("int8 activations run on the avx512 kernel path; the CPU path in use is '") +
+           cpu_path_name(p) + "' (MLXFAST_CPU_PATH).";
+  }
+  std::string missing;
+  auto lacks = [&missing](bool has, const char* f) {
+    if (!has) missing += (missing.empty() ? "" : ", ") + std::string(f);
+  };
+  lacks(__builtin_cpu_supports("avx512f"), "avx512f");
+  lacks(__builtin_cpu_supports("avx512bw"), "avx512bw");
+  lacks(__builtin_cpu_supports("avx512vl"), "avx512vl");
+  lacks(__builtin_cpu_supports("avx512dq"), "avx512dq");
+  lacks(__builtin_cpu_supports("avx512vnni"), "avx512vnni");
+  lacks(__builtin_cpu_supports("fma"), "fma");
+  return "int8 activations need AVX-512 VNNI (avx512f, avx512bw, avx512vl, avx512dq and "
+         "avx512vnni); this CPU lacks " + missing + ".";
+#elif defined(MLXFAST_ARM64)
+  return "int8 activations have no NEON dot-product kernel yet (x86 AVX-512 VNNI only).";
+#else
+  return "int8 activations need an x86 CPU with AVX-512 VNNI.";
+#endif
+}
+
 const char* cpu_path_name(CpuPath path) {
   switch (path) {
     case CpuPath::Portable: return "portable";

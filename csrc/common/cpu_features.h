@@ -13,6 +13,14 @@ enum class CpuPath { Portable = 0, Avx2 = 1, Avx512 = 2, Neon = 3 };
 CpuPath cpu_path();
 bool cpu_supports(CpuPath path);
 const char* cpu_path_name(CpuPath path);
+// The int8-activation matmul's instruction sets (independent of cpu_path()):
+// AVX-512 F/BW/VL/DQ + AVX512_VNNI (vpdpbusd on zmm), AVX-VNNI (on ymm).
+bool cpu_has_avx512_vnni();
+bool cpu_has_avx_vnni();
+// "" where this CPU runs the int8-activation matmul natively (and the
+// avx512 path is in use); otherwise a sentence naming what it lacks (the
+// start-up error of --matmul-activations int8).
+std::string int8_acts_unsupported();
 // Force a path from code (tests); "" restores automatic selection.
 void set_cpu_path(const std::string& name);
 

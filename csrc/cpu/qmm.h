@@ -42,7 +42,18 @@ struct Args {
   int group_size, bits;
   DType x_dtype, s_dtype;
   DType w_dtype = F32;  // dense weights only
+  // Int8 activations (opt-in, quantized weights only): each row of x is
+  // quantized in blocks of kActBlock values, d = max|x| / 127,
+  // xq = rint(x * (127 / max|x|)), and the matmul is x_hat @ w_hat.T with
+  // x_hat = d * xq, computed as
+  //   sum over blocks: scale * d * sum(q * xq) + bias * (d * sum(xq)),
+  // the integer sums exact (VNNI's vpdpbusd on x86). See run_int8_*.
+  bool int8_acts = false;
 };
+
+// Activation values per int8 block (llama.cpp's QK8_1); divides every group
+// size (32, 64, 128), so a block never straddles two weight groups.
+constexpr int64_t kActBlock = 32;
 
 inline int dtype_size(DType dt) { return dt == F32 ? 4 : 2; }
 
@@ -80,6 +91,14 @@ void run_portable(const Args& a);
 #if defined(MLXFAST_X86)
 void run_avx2(const Args& a);
 void run_avx512(const Args& a);
+#endif
+
+// The int8-activation matmul (a.int8_acts): the portable kernel takes every
+// bit width; the VNNI kernel takes bits 4 and 8 (others: portable) and runs
+// only where cpu_has_avx512_vnni() (common/cpu_features.h).
+void run_int8_portable(const Args& a);
+#if defined(MLXFAST_X86)
+void run_int8_avx512vnni(const Args& a);
 #endif
 #if defined(MLXFAST_ARM64)
 void run_neon(const Args& a);
@@ -168,6 +187,29 @@ inline void dense_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float
     for (int64_t j = 0; j < ncols; ++j) dst[j] = tmp[j * kc + k];
     for (int64_t j = ncols; j < NR; ++j) dst[j] = 0.0f;
   }
+}
+
+// Quantizes n <= kActBlock values of src (fp32) to int8 dst (the rest of
+// the block zero-filled), the one definition every int8 path uses; returns
+// d and sets *isum = sum(dst). Scalar: it runs once per block of each
+// activation row, O(M K) against the matmul's O(M N K).
+inline float quantize_block(const float* src, int64_t n, int8_t* dst, int32_t* isum) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(src[i]));
+  int32_t s = 0;
+  if (amax > 0.0f) {
+    const float id = 127.0f / amax;
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(src[i] * id));
+      dst[i] = static_cast<int8_t>(v);
+      s += v;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = 0;
+  }
+  for (int64_t i = n; i < kActBlock; ++i) dst[i] = 0;
+  *isum = s;
+  return amax / 127.0f;
 }
 
 // bi[i] = the symmetric bias of scale sc[i] (biases == nullptr).

@@ -14,6 +14,7 @@
 #include "cpu/qmm.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "mlx/transforms.h"
 #include "ops/rms_norm.h"
 
 namespace mlxfast {
@@ -31,6 +32,13 @@ qmm::DType to_qmm(mx::Dtype dt) {
 }
 
 void run_path(const qmm::Args& a, CpuPath path) {
+  if (a.int8_acts) {
+#if defined(MLXFAST_X86)
+    // The VNNI kernel needs more than the AVX-512 path's check: ask for it.
+    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) return qmm::run_int8_avx512vnni(a);
+#endif
+    return qmm::run_int8_portable(a);
+  }
   switch (path) {
 #if defined(MLXFAST_X86)
     case CpuPath::Avx512: qmm::run_avx512(a); break;
@@ -179,7 +187,8 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
                            const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, const Fusion& f, mx::StreamOrDevice s) {
+                           int group_size, int bits, const Fusion& f, bool int8_acts,
+                           mx::StreamOrDevice s) {
   const char* op = "quantized_matmul";
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(bits) + ".");
@@ -226,8 +235,46 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
                                    dense_weight(biases, stream)};
   inputs.insert(inputs.end(), p.extra.begin(), p.extra.end());
   return mx::array(std::move(out_shape), x.dtype(),
-                   std::make_shared<QuantizedMatmul>(stream, group_size, bits, p.spec),
+                   std::make_shared<QuantizedMatmul>(stream, group_size, bits, p.spec, int8_acts),
                    std::move(inputs));
+}
+
+mx::array quantized_matmul_direct(const mx::array& x_in, const mx::array& w_in,
+                                  const mx::array& s_in, const std::optional<mx::array>& b_in,
+                                  int group_size, int bits, bool int8_acts,
+                                  const std::string& path_name) {
+  if (x_in.ndim() != 2 || x_in.dtype() != mx::float32) fail("direct: x must be 2-D float32.");
+  mx::array x = mx::contiguous(x_in), w = mx::contiguous(w_in), sc = mx::contiguous(s_in);
+  std::vector<mx::array> ev = {x, w, sc};
+  std::optional<mx::array> bi;
+  if (b_in) {
+    bi = mx::contiguous(*b_in);
+    ev.push_back(*bi);
+  }
+  mx::eval(ev);
+  CpuPath path = CpuPath::Portable;
+  for (auto p : {CpuPath::Portable, CpuPath::Avx2, CpuPath::Avx512, CpuPath::Neon}) {
+    if (path_name == cpu_path_name(p)) path = p;
+  }
+  if (!cpu_supports(path)) fail("direct: path '" + path_name + "' is not supported here.");
+  mx::array out(mx::allocator::malloc(sizeof(float) * x.shape(0) * w.shape(0)),
+                {x.shape(0), w.shape(0)}, mx::float32);
+  qmm::Args a;
+  a.x = x.data<float>();
+  a.w = w.data<uint32_t>();
+  a.scales = sc.data<void>();
+  a.biases = bi ? bi->data<void>() : nullptr;
+  a.out = out.data<float>();
+  a.M = x.shape(0);
+  a.N = w.shape(0);
+  a.K = x.shape(1);
+  a.group_size = group_size;
+  a.bits = bits;
+  a.x_dtype = qmm::F32;
+  a.s_dtype = to_qmm(sc.dtype());
+  a.int8_acts = int8_acts;
+  if (a.M && a.N && a.K) run_path(a, path);
+  return out;
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(
@@ -264,6 +311,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   a.bits = bits_;
   a.x_dtype = to_qmm(x.dtype());
   a.s_dtype = to_qmm(sc.dtype());
+  a.int8_acts = int8_acts_;
   if (a.M == 0 || a.N == 0) return;
   run_dispatched(a, spec_, x, norm_w, residual, enc);
 }

@@ -59,15 +59,29 @@ struct FusedSpec {
 // Returns [..., N] in x's dtype, accumulated in float32. With f.act, x is
 // [..., 2K]; with f.norm_weight, the output has the norm's promoted dtype.
 // Inputs of the primitive: x, w, scales, biases[, norm_weight][, residual].
+// int8_acts: the matmul quantizes x to int8 per 32 values (qmm::Args::int8_acts;
+// VNNI kernel where cpu_has_avx512_vnni(), the portable one elsewhere) —
+// the prologue and residual are unchanged.
 mx::array quantized_matmul(const mx::array& x, const mx::array& w,
                            const mx::array& scales, const mx::array& biases,
                            int group_size, int bits, const Fusion& f = {},
-                           mx::StreamOrDevice s = {});
+                           bool int8_acts = false, mx::StreamOrDevice s = {});
+
+// Test hook: the kernels on evaluated arrays, on the calling thread's pool,
+// with biases == nullptr when `biases` is absent (symmetric formats: the
+// path only the MoE experts take) and the CPU path given by name. x [M, K]
+// float32; returns [M, N] float32.
+mx::array quantized_matmul_direct(const mx::array& x, const mx::array& w,
+                                  const mx::array& scales, const std::optional<mx::array>& biases,
+                                  int group_size, int bits, bool int8_acts,
+                                  const std::string& path);
 
 class QuantizedMatmul : public mx::Primitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits, FusedSpec spec = {})
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), spec_(spec) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, FusedSpec spec = {},
+                  bool int8_acts = false)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), spec_(spec),
+        int8_acts_(int8_acts) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
@@ -75,7 +89,8 @@ class QuantizedMatmul : public mx::Primitive {
   const char* name() const override { return "MlxfastQuantizedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && spec_ == o.spec_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && spec_ == o.spec_ &&
+           int8_acts_ == o.int8_acts_;
   }
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
@@ -84,6 +99,7 @@ class QuantizedMatmul : public mx::Primitive {
   int group_size_;
   int bits_;
   FusedSpec spec_;
+  bool int8_acts_;
 };
 
 // x: [..., K], w: [N, K], both float32/float16/bfloat16 (any mix).

@@ -23,6 +23,9 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file (or the template text itself) used instead of the model's own")
+    p.add_argument("--matmul-activations", default="fp32", choices=["fp32", "int8"],
+                   help="activations of the quantized matmuls: fp32 (default, exact) or int8 "
+                        "(opt-in, AVX-512 VNNI CPUs; see mlxfast serve --help)")
     args = p.parse_args(argv)
 
     from . import load, stream_generate
@@ -35,7 +38,11 @@ def _generate(argv: list[str]) -> int:
         except ValueError as e:
             print(f"mlxfast: error: --chat-template: {e}", file=sys.stderr)
             return 1
-    model, tokenizer = load(args.model)
+    try:
+        model, tokenizer = load(args.model, matmul_activations=args.matmul_activations)
+    except ValueError as e:
+        print(f"mlxfast: error: {e}", file=sys.stderr)
+        return 1
     if template is not None:
         tokenizer.chat_template = template
     for chunk in stream_generate(

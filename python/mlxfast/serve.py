@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="dtype of dense KV blocks (auto = the model's activation dtype, float16 for float32 models)")
     p.add_argument("--kv-quant", default=None, help="KV cache scheme: off | 8 | 4 | turbo | turbo:k8v3 (EngineConfig.kv_quant)")
+    p.add_argument("--matmul-activations", default="fp32", choices=["fp32", "int8"],
+                   help="activations of the quantized matmuls: fp32 (default, exact: mlx-lm's numbers) "
+                        "or int8 (opt-in, llama.cpp's Q8_1 scheme on the 4- and 8-bit layers: faster "
+                        "on AVX-512 VNNI CPUs, a start-up error on others; quality in README)")
     p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens when a request omits it")
     p.add_argument("--temp", type=float, default=None, help="default temperature when a request omits it")
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
@@ -213,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.max_tokens < 1:
         return _fail("--max-tokens must be at least 1")
+    if args.matmul_activations == "int8":
+        from .ops import int8_activations_unsupported, on_cpu
+
+        missing = on_cpu() and int8_activations_unsupported()
+        if missing:
+            return _fail(f"--matmul-activations int8: {missing}")
     if args.responses_store_size < 0:
         return _fail("--responses-store-size must be 0 or more")
     if args.draft_model is not None and args.draft_kind is None:
@@ -323,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"--tensor-parallel-size {tp_size} but the launch has {group.size()} ranks")
                 if group.size() > 1:
                     liveness = distributed.Liveness(group, tp_lost)
-            model, tokenizer = load_model(args.model)
+            model, tokenizer = load_model(args.model, matmul_activations=args.matmul_activations)
+            if args.matmul_activations != "fp32":
+                _say(f"matmul activations: {args.matmul_activations}")
             if group is not None and group.size() > 1:
                 from .models.shard import shard_model
 
@@ -456,7 +468,7 @@ def _follow(args) -> int:
             os._exit(1)
 
         liveness = distributed.Liveness(group, lost)
-        model, _ = load_model(args.model)
+        model, _ = load_model(args.model, matmul_activations=args.matmul_activations)
         distributed.check_same_model(group, model)
         shard_model(model, group)
         channel = distributed.StepChannel(group, timeout_s=args.tp_timeout)

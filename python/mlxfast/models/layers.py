@@ -52,10 +52,22 @@ class Linear(nn.Module):
         return _add_bias(ops.dense_matmul(x, w, norm=norm, act=act, residual=residual), bias)
 
 
+# How the quantized projections treat their activations: "fp32" (the
+# default, exact: x as it is) or "int8" (opt-in: x quantized to int8 per 32
+# values, ops.quantized_matmul(activations="int8")). A property of each
+# layer, set for a whole model by set_matmul_activations (mlxfast.load's
+# matmul_activations=).
+MATMUL_ACTIVATIONS = ("fp32", "int8")
+# The widths int8 activations apply to (the VNNI kernel's); layers of other
+# widths keep fp32 activations.
+INT8_ACTIVATION_BITS = (4, 8)
+
+
 class QuantizedLinear(nn.Module):
     """Affine-quantized ``x @ dequantize(weight).T (+ bias)`` (MLX format).
 
-    Takes the same fused pieces as :class:`Linear`."""
+    Takes the same fused pieces as :class:`Linear`. ``activations`` ("fp32"
+    or "int8", see ``MATMUL_ACTIVATIONS``) is passed to the matmul."""
 
     def __init__(self, in_dims: int, out_dims: int, bias: bool, group_size: int, bits: int):
         super().__init__()
@@ -65,6 +77,7 @@ class QuantizedLinear(nn.Module):
             )
         self.group_size = group_size
         self.bits = bits
+        self.activations = "fp32"
         self.weight = mx.zeros((out_dims, in_dims * bits // 32), dtype=mx.uint32)
         self.scales = mx.zeros((out_dims, in_dims // group_size))
         self.biases = mx.zeros((out_dims, in_dims // group_size))
@@ -79,11 +92,12 @@ class QuantizedLinear(nn.Module):
         bias = self.get("bias")
         if residual is not None and (bias is not None or residual.dtype != _prologue_dtype(x, norm)):
             y = ops.quantized_matmul(x, w, scales, biases, group_size=self.group_size,
-                                     bits=self.bits, norm=norm, act=act)
+                                     bits=self.bits, norm=norm, act=act,
+                                     activations=self.activations)
             return residual + _add_bias(y, bias)
         return _add_bias(ops.quantized_matmul(
             x, w, scales, biases, group_size=self.group_size, bits=self.bits, norm=norm, act=act,
-            residual=residual), bias)
+            residual=residual, activations=self.activations), bias)
 
 
 def _prologue_dtype(x: mx.array, norm) -> mx.Dtype:
@@ -118,8 +132,11 @@ def fuse_linears(layers: list) -> "Linear | QuantizedLinear | None":
     if isinstance(first, QuantizedLinear):
         if any((layer.bits, layer.group_size) != (first.bits, first.group_size) for layer in layers):
             return None
+        if any(layer.activations != first.activations for layer in layers):
+            return None
         fused = QuantizedLinear(in_dims * 32 // first.bits, out_dims, "bias" in first,
                                 first.group_size, first.bits)
+        fused.activations = first.activations
     elif isinstance(first, Linear):
         fused = Linear(in_dims, out_dims, "bias" in first)
     else:
@@ -147,6 +164,7 @@ class QuantizedEmbedding(nn.Module):
         super().__init__()
         self.group_size = group_size
         self.bits = bits
+        self.activations = "fp32"  # of as_linear (a tied output head; set_matmul_activations keeps fp32)
         self.weight = mx.zeros((num, dims * bits // 32), dtype=mx.uint32)
         self.scales = mx.zeros((num, dims // group_size))
         self.biases = mx.zeros((num, dims // group_size))
@@ -161,7 +179,36 @@ class QuantizedEmbedding(nn.Module):
         """``norm(x) @ dequantize(weight).T`` (tied output head, as Embedding's)."""
         return ops.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
                                     group_size=self.group_size, bits=self.bits,
-                                    norm=_norm_args(norm))
+                                    norm=_norm_args(norm), activations=self.activations)
+
+
+def set_matmul_activations(model: nn.Module, mode: str) -> int:
+    """Set every quantized projection inside ``model``'s blocks (of 4 or 8
+    bits, see ``INT8_ACTIVATION_BITS``) to ``mode`` ("fp32" or "int8");
+    returns how many layers now run int8 activations. The output head
+    (``lm_head``, or the tied embedding's ``as_linear``) keeps fp32: its
+    logits pick the token, and int8 there cost top-1 agreement with
+    llama.cpp (default model, 7,424 positions: 95.65% with an int8 head,
+    96.04% without, fp32 95.81%) for no decode or prefill gain (one row).
+    Dense layers, the MoE experts and other widths keep fp32 too. Raises
+    ValueError for an unknown mode, and for "int8" where ops run on a CPU
+    without a native int8 kernel (the message names what the CPU lacks)."""
+    if mode not in MATMUL_ACTIVATIONS:
+        raise ValueError(f"matmul activations must be one of {', '.join(MATMUL_ACTIVATIONS)}, "
+                         f"got {mode!r}")
+    if mode == "int8" and ops.on_cpu(None):
+        missing = ops.int8_activations_unsupported()
+        if missing:
+            raise ValueError(f"--matmul-activations int8: {missing}")
+    n = 0
+    for path, layer in model.named_modules():
+        if isinstance(layer, (QuantizedLinear, QuantizedEmbedding)):
+            head = isinstance(layer, QuantizedEmbedding) or path.split(".")[-1] == "lm_head"
+            on = mode == "int8" and layer.bits in INT8_ACTIVATION_BITS and not head
+            layer.activations = "int8" if on else "fp32"
+            n += on
+    model.matmul_activations = mode
+    return n
 
 
 class RMSNorm(nn.Module):

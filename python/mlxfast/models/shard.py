@@ -126,6 +126,7 @@ def _slice_rows(layer, segments: list[tuple[int, int]]):
     else:
         new = QuantizedLinear(layer.weight.shape[1] * 32 // layer.bits, out_dims, "bias" in layer,
                               layer.group_size, layer.bits)
+        new.activations = layer.activations
     upd = {}
     for n in _names(layer):
         parts = [layer[n][a:b] for a, b in segments]
@@ -146,6 +147,7 @@ def _slice_cols(layer, a: int, b: int, what: str):
                              f"of {gs} weights; tensor parallelism needs each rank's share of the "
                              f"input ({b - a}) to be a multiple of the group size")
         new = QuantizedLinear(b - a, layer.weight.shape[0], False, gs, bits)
+        new.activations = layer.activations
         w_per = 32 // math.gcd(32, bits)  # weights per whole number of uint32 words
         if a % w_per:
             raise ShardError(f"{what}: {bits}-bit words do not align at input {a}")

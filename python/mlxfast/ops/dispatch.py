@@ -35,6 +35,12 @@ def set_cpu_path(name: str = "") -> None:
     _ext.set_cpu_path(name)
 
 
+def int8_activations_unsupported() -> str:
+    """``""`` where this CPU runs the int8-activation matmul natively (AVX-512
+    VNNI); otherwise a sentence naming what the CPU lacks."""
+    return _ext.int8_activations_unsupported()
+
+
 def cpu_supports(name: str) -> bool:
     """Whether this CPU can run the named kernel path."""
     return _ext.cpu_supports(name)

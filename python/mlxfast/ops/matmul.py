@@ -104,6 +104,64 @@ def dense_matmul(x: mx.array, w: mx.array, *, norm: tuple | None = None, act: st
     return dense_matmul_reference(x, w, norm=norm, act=act, residual=residual)
 
 
+# Int8 activations (``activations="int8"``, opt-in): llama.cpp's Q8_1 scheme.
+# Each row of x is cut into blocks of ACT_BLOCK values; per block
+# d = max|x| / 127 and xq = round(x * (127 / max|x|)) (half to even, int8);
+# the product is then, per block,
+#     scale * d * sum(q * xq) + bias * (d * sum(xq))
+# with the integer sum exact (VNNI vpdpbusd on the CPU). The bias term uses
+# d * sum(xq), not the float sum of x (what llama.cpp's Q8_1 stores too): both
+# terms then see the same quantized input, so the result is exactly the
+# ordinary product of x_hat = d * xq with the dequantized weights. That is
+# the reference below (x_hat, then ``mx.quantized_matmul``); the kernels
+# differ from it by float rounding order only.
+ACT_BLOCK = 32
+ACTIVATIONS = ("fp32", "int8")
+
+
+def quantize_activations_int8(x: mx.array) -> tuple[mx.array, mx.array]:
+    """x [..., K] (K a multiple of ACT_BLOCK) as (xq, d): xq [..., K / 32, 32]
+    float32 holding integers in [-127, 127], d [..., K / 32, 1] float32."""
+    K = x.shape[-1]
+    if K % ACT_BLOCK:
+        raise ValueError(f"[mlxfast.quantized_matmul] int8 activations need K % {ACT_BLOCK} == 0, "
+                         f"got K={K}.")
+    b = x.astype(mx.float32).reshape(*x.shape[:-1], K // ACT_BLOCK, ACT_BLOCK)
+    amax = mx.max(mx.abs(b), axis=-1, keepdims=True)
+    nz = amax > 0
+    inv = mx.where(nz, mx.array(127.0, mx.float32) / mx.where(nz, amax, 1.0), 0.0)
+    xq = mx.round(b * inv)
+    return xq, amax / mx.array(127.0, mx.float32)
+
+
+def fake_quantize_activations_int8(x: mx.array) -> mx.array:
+    """``d * xq`` (float32, x's shape): what the int8-activation matmul multiplies."""
+    xq, d = quantize_activations_int8(x)
+    return (xq * d).reshape(x.shape)
+
+
+def quantized_matmul_int8_reference(x: mx.array, w: mx.array, scales: mx.array,
+                                    biases: mx.array | None, *, group_size: int = 64,
+                                    bits: int = 4) -> mx.array:
+    """Pure-MLX int8-activation ``x @ dequantize(w).T`` in x's dtype (the
+    oracle of the native int8 kernels and their fallback off the CPU).
+    biases None: symmetric (bias = -2^(bits-1) * scale)."""
+    if biases is None:
+        biases = scales * -float(1 << (bits - 1))
+    xh = fake_quantize_activations_int8(x)
+    out = mx.quantized_matmul(xh, w, scales.astype(mx.float32), biases.astype(mx.float32),
+                              transpose=True, group_size=group_size, bits=bits)
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
+def _check_activations(activations: str, transpose: bool) -> None:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"[mlxfast.quantized_matmul] activations must be one of {ACTIVATIONS}, "
+                         f"got {activations!r}.")
+    if activations == "int8" and not transpose:
+        raise ValueError("[mlxfast.quantized_matmul] int8 activations need transpose=True.")
+
+
 def quantized_matmul_reference(
     x: mx.array,
     w: mx.array,
@@ -116,18 +174,25 @@ def quantized_matmul_reference(
     norm: tuple | None = None,
     act: str | None = None,
     residual: mx.array | None = None,
+    activations: str = "fp32",
 ) -> mx.array:
-    """Pure-MLX ``x @ dequantize(w).T`` (MLX affine format): ``mx.quantized_matmul``.
+    """Pure-MLX ``x @ dequantize(w).T`` (MLX affine format): ``mx.quantized_matmul``
+    (``activations="int8"``: :func:`quantized_matmul_int8_reference`).
 
     With fused pieces, the composition of their references:
     ``residual + round(prologue(x) @ dequantize(w).T)``, the product rounded
     to the prologue's dtype as :func:`quantized_matmul` does.
     """
     _check_fusion("quantized_matmul", norm, act)
+    _check_activations(activations, transpose)
     x = _prologue(x, norm, act, reference=True)
-    out = mx.quantized_matmul(
-        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
-    )
+    if activations == "int8":
+        out = quantized_matmul_int8_reference(x, w, scales, biases, group_size=group_size,
+                                              bits=bits)
+    else:
+        out = mx.quantized_matmul(
+            x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+        )
     if norm is None and act is None and residual is None:
         return out
     if out.dtype != x.dtype:
@@ -147,6 +212,7 @@ def quantized_matmul(
     norm: tuple | None = None,
     act: str | None = None,
     residual: mx.array | None = None,
+    activations: str = "fp32",
     stream=None,
 ) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` for MLX's affine quantization.
@@ -167,21 +233,30 @@ def quantized_matmul(
     On the CPU this is one native primitive (GEMV path for up to 16 rows,
     blocked GEMM above); elsewhere, and for ``transpose=False``, it is
     ``mx.quantized_matmul`` (and the separate ops for the fused pieces).
+    ``activations="int8"`` (opt-in) quantizes x (after the prologue) to int8
+    per 32 values, llama.cpp's Q8_1 scheme (see ``ACT_BLOCK`` above); on the
+    CPU the VNNI kernel runs where the CPU has AVX-512 VNNI, a portable one
+    elsewhere, and :func:`quantized_matmul_int8_reference` off the CPU. The
+    default, ``"fp32"``, keeps the activations as they are.
+
     Bad shapes/dtypes raise ``ValueError``.
     """
     if biases is None:
         raise ValueError("[mlxfast.quantized_matmul] biases are required (affine quantization).")
     _check_fusion("quantized_matmul", norm, act)
+    _check_activations(activations, transpose)
     if transpose and dispatch.on_cpu(stream):
         if norm is not None:
             return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
                                          norm=norm[0], eps=norm[1], act=act, residual=residual,
-                                         stream=stream)
+                                         activations=activations, stream=stream)
         return _ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
-                                     act=act, residual=residual, stream=stream)
+                                     act=act, residual=residual, activations=activations,
+                                     stream=stream)
     x = _prologue(x, norm, act, reference=False, stream=stream)
     out = quantized_matmul_reference(
-        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits,
+        activations=activations
     )
     out = out.astype(x.dtype) if out.dtype != x.dtype else out
     return _epilogue("quantized_matmul", out, residual)

@@ -1,0 +1,602 @@
+// Int8-activation quantized matmul, AVX-512 VNNI (vpdpbusd), bits 4 and 8
+// (others: run_int8_portable). Entered only where cpu_has_avx512_vnni().
+//
+// Activations: each row of x is quantized in blocks of kActBlock (32) values
+// (quantize_block's numbers, vectorized: d = max|x| / 127, xq = rint(x * 127
+// / max|x|)) into the byte order the weights' natural loads have, so that
+// one vpdpbusd multiplies 64 unsigned weight values by 64 int8 activations
+// and adds each group of 4 products into one int32 lane:
+//   4 bits: a chunk is 128 values, 64 packed bytes; (byte & 15) holds the
+//           even values, (byte >> 4) the odd ones, so the chunk's activations
+//           are stored as its 64 even values, then its 64 odd ones; lane l
+//           covers values 8l .. 8l+7 (block 4c + l / 4 of chunk c);
+//   8 bits: a chunk is 64 values in their order; lane l covers 4l .. 4l+3
+//           (block 2c + l / 8).
+// Every lane lies in one block (and one weight group), so per chunk and
+// (weight row, activation row) the int32 lanes are converted once, scaled by
+// the lane's d (activation) and scale (weight) and added into an fp32
+// accumulator: 2 (4 bits) or 1 (8 bits) vpdpbusd + cvt + mul + FMA per 128 /
+// 64 values, against 8 / 4 FMAs plus the lookups of the fp32 GEMV. The bias
+// term, sum over blocks of bias * (d * sum(xq)), is one FMA per 16 blocks.
+// The accumulators are reduced horizontally once, at the tile's end.
+//
+// That GEMV tile runs up to kInt8GemvMaxRows (7) activation rows; more rows
+// run the GEMM below (weights re-laid per 16 rows so that the int32 lanes
+// are whole block sums: one conversion per 32 values instead of per 64 or
+// 128).
+#include "cpu/qmm_x86.h"
+#include "cpu/qmm_avx512.h"
+
+namespace mlxfast {
+namespace qmm {
+
+namespace {
+
+constexpr int kMaxMM = 8;  // activation rows per register block
+
+// The prepared activations of a.M rows.
+struct Int8Ctx {
+  const Args* a;
+  const int8_t* xq;  // [M][Kp] int8 in the chunk byte order above (0 past K)
+  const float* dl;   // [M][Kp / VPL] d of each lane's block
+  const float* sxb;  // [M][Bp] d * sum(xq) of each block (0 past K / 32)
+  int64_t G, row_bytes, Kp, nl, Bp;
+  __mmask64 tail;  // the weight bytes of a row's last chunk
+};
+
+template <int BITS>
+constexpr int64_t vpc() { return BITS == 4 ? 128 : 64; }  // values per chunk (16 lanes)
+
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+inline void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(dst + i, m, load_cvt(src, dt, off + i, m));
+  }
+}
+
+// Row m of a.x quantized into c's buffers (tmp: K floats).
+template <int BITS>
+void prepare_row(const Int8Ctx& c, int64_t m, float* tmp) {
+  const Args& a = *c.a;
+  const int64_t K = a.K, B = K / kActBlock;
+  constexpr int64_t VPC = vpc<BITS>();
+  cvt_row(a.x, a.x_dtype, m * K, K, tmp);
+  int8_t* xq = const_cast<int8_t*>(c.xq) + m * c.Kp;
+  float* dl = const_cast<float*>(c.dl) + m * c.nl;
+  float* sxb = const_cast<float*>(c.sxb) + m * c.Bp;
+  alignas(64) int8_t blk[kActBlock];
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < B; ++b) {
+    // quantize_block, vectorized (same operations, same numbers).
+    const __m512 v0 = _mm512_loadu_ps(tmp + b * 32), v1 = _mm512_loadu_ps(tmp + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+    float d = amax / 127.0f;
+    int32_t is = 0;
+    if (amax > 0.0f) {
+      const __m512 id = _mm512_set1_ps(127.0f / amax);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));  // round to nearest even
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      _mm_store_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtepi32_epi8(q0));
+      _mm_store_si128(reinterpret_cast<__m128i*>(blk + 16), _mm512_cvtepi32_epi8(q1));
+      is = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    } else {
+      std::memset(blk, 0, sizeof(blk));
+      d = 0.0f;
+    }
+    sxb[b] = d * static_cast<float>(is);
+    // Into the chunk byte order.
+    const int64_t k0 = b * kActBlock, ch = k0 / VPC, o = k0 % VPC;
+    int8_t* dst = xq + ch * VPC;
+    if (BITS == 4) {
+      for (int i = 0; i < 16; ++i) {
+        dst[o / 2 + i] = blk[2 * i];
+        dst[64 + o / 2 + i] = blk[2 * i + 1];
+      }
+      for (int l = 0; l < 4; ++l) dl[ch * 16 + o / 8 + l] = d;
+    } else {
+      std::memcpy(dst + o, blk, kActBlock);
+      for (int l = 0; l < 8; ++l) dl[ch * 16 + o / 4 + l] = d;
+    }
+  }
+  // Padding: the last chunk past K, the blocks up to Bp.
+  const int64_t kpad = c.Kp - K;
+  if (kpad) {
+    const int64_t ch = K / VPC, o = K % VPC;
+    int8_t* dst = xq + ch * VPC;
+    if (BITS == 4) {
+      std::memset(dst + o / 2, 0, (VPC - o) / 2);
+      std::memset(dst + 64 + o / 2, 0, (VPC - o) / 2);
+    } else {
+      std::memset(dst + o, 0, VPC - o);
+    }
+    for (int64_t l = ch * 16 + o * 16 / VPC; l < c.nl; ++l) dl[l] = 0.0f;
+  }
+  for (int64_t b = B; b < c.Bp; ++b) sxb[b] = 0.0f;
+}
+
+// Lane l of chunk ch reads group ch * VPC / GS + idx[l] of a weight row's
+// scales.
+template <int BITS, int GS>
+inline __m512i group_lanes() {
+  constexpr int VPC = vpc<BITS>(), VPL = VPC / 16;
+  if constexpr (GS >= VPC) return _mm512_setzero_si512();
+  return _mm512_setr_epi32(0 * VPL / GS, 1 * VPL / GS, 2 * VPL / GS, 3 * VPL / GS, 4 * VPL / GS,
+                           5 * VPL / GS, 6 * VPL / GS, 7 * VPL / GS, 8 * VPL / GS, 9 * VPL / GS,
+                           10 * VPL / GS, 11 * VPL / GS, 12 * VPL / GS, 13 * VPL / GS,
+                           14 * VPL / GS, 15 * VPL / GS);
+}
+
+// Lane j of 16 blocks from block b0 reads group b0 * 32 / GS + idx[j].
+template <int GS>
+inline __m512i block_groups() {
+  constexpr int F = GS / kActBlock;
+  return _mm512_setr_epi32(0 / F, 1 / F, 2 / F, 3 / F, 4 / F, 5 / F, 6 / F, 7 / F, 8 / F, 9 / F,
+                           10 / F, 11 / F, 12 / F, 13 / F, 14 / F, 15 / F);
+}
+
+// y[m0 + m][n + r] for r < R, m < MM into yb[m * kGemvRowBlock + r];
+// sc, bi: the R rows' fp32 scales and biases ([R][G]).
+template <int BITS, int GS, int MM, int R>
+__attribute__((always_inline)) inline void tile(const Int8Ctx& c, int64_t m0, int64_t n,
+                                                const float* sc, const float* bi, float* yb) {
+  const Args& a = *c.a;
+  constexpr int64_t VPC = vpc<BITS>();
+  constexpr int64_t CB = VPC * BITS / 8;  // packed bytes per chunk (64)
+  const int64_t K = a.K, G = c.G;
+  const int64_t nch = c.Kp / VPC;
+  const __mmask64 tail = c.tail;
+  const __m512i idx = group_lanes<BITS, GS>();
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  __m512 acc[R][MM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
+  const uint8_t* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint8_t*>(a.w) + (n + r) * c.row_bytes;
+  const int64_t pf = kPrefetchRows * c.row_bytes;
+  const int8_t* xq = c.xq + m0 * c.Kp;
+  const float* dl = c.dl + m0 * c.nl;
+  for (int64_t ch = 0; ch < nch; ++ch) {
+    const __mmask64 wm = ch + 1 < nch ? ~0ull : tail;
+    const int64_t g0 = ch * VPC / GS;
+    const __mmask16 gm = tail_mask(G - g0);
+    __m512i lo[R], hi[R];
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr[r] + pf), _MM_HINT_T0);
+      const __m512i w = _mm512_maskz_loadu_epi8(wm, wr[r]);
+      wr[r] += CB;
+      if (BITS == 4) {
+        lo[r] = _mm512_and_si512(w, nib);
+        hi[r] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+      } else {
+        lo[r] = w;
+      }
+      sv[r] = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(gm, sc + r * G + g0));
+    }
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* xm = xq + m * c.Kp + ch * VPC;
+      const __m512i xa = _mm512_load_si512(xm);
+      const __m512i xb = BITS == 4 ? _mm512_load_si512(xm + 64) : xa;
+      const __m512 dv = _mm512_load_ps(dl + m * c.nl + ch * 16);
+      for (int r = 0; r < R; ++r) {
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xa);
+        if (BITS == 4) s = _mm512_dpbusd_epi32(s, hi[r], xb);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dv), sv[r], acc[r][m]);
+      }
+    }
+  }
+  // + bias * (d * sum(xq)) per block: block b is in group b * 32 / gs.
+  const int64_t B = K / kActBlock;
+  const __m512i bidx = block_groups<GS>();
+  const float* sxb = c.sxb + m0 * c.Bp;
+  for (int64_t b0 = 0; b0 < B; b0 += 16) {
+    const int64_t g0 = b0 * kActBlock / GS;
+    const __mmask16 gm = tail_mask(G - g0);
+    __m512 bv[R];
+    for (int r = 0; r < R; ++r) {
+      bv[r] = _mm512_permutexvar_ps(bidx, _mm512_maskz_loadu_ps(gm, bi + r * G + g0));
+    }
+    for (int m = 0; m < MM; ++m) {
+      const __m512 s = _mm512_load_ps(sxb + m * c.Bp + b0);  // 0 past B
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(bv[r], s, acc[r][m]);
+    }
+  }
+  store_tile_sums(acc, yb);
+}
+
+// Rows m0 .. m0+MM-1, columns [n0, n1).
+template <int BITS, int GS, int MM>
+void tiles(const Int8Ctx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
+           const float* bi) {
+  constexpr int R = MM <= 3 ? 4 : 2;
+  const int64_t G = c.G;
+  alignas(64) float yb[MM * kGemvRowBlock];
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    tile<BITS, GS, MM, R>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+  }
+  for (; n < n1; ++n) {
+    tile<BITS, GS, MM, 1>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+  }
+  const __mmask16 mk = tail_mask(n1 - n0);
+  for (int m = 0; m < MM; ++m) {
+    store_cvt(c.a->out, c.a->x_dtype, (m0 + m) * c.a->N + n0,
+              _mm512_load_ps(yb + m * kGemvRowBlock), mk);
+  }
+}
+
+template <int BITS, int GS, int MM = 1>
+void rows(const Int8Ctx& c, int64_t m0, int mm, int64_t n0, int64_t n1, const float* sc,
+          const float* bi) {
+  if constexpr (MM < kMaxMM) {
+    if (mm > MM) return rows<BITS, GS, MM + 1>(c, m0, mm, n0, n1, sc, bi);
+  }
+  tiles<BITS, GS, MM>(c, m0, n0, n1, sc, bi);
+}
+
+// Output rows [m_begin, m_end), columns [n0, n1) (at most kGemvRowBlock).
+template <int BITS>
+void unit(const Int8Ctx& c, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1) {
+  const Args& a = *c.a;
+  const int64_t G = c.G;
+  float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
+  float* sc = sb;
+  float* bi = sb + kGemvRowBlock * G;
+  prefetch_group_params(a, n1, kGemvRowBlock, G);
+  cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
+  if (a.biases) {
+    cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
+  } else {
+    sym_biases(sc, (n1 - n0) * G, a.bits, bi);
+  }
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxMM) {
+    const int mm = static_cast<int>(m_end - m0 < kMaxMM ? m_end - m0 : kMaxMM);
+    switch (a.group_size) {
+      case 32: rows<BITS, 32>(c, m0, mm, n0, n1, sc, bi); break;
+      case 64: rows<BITS, 64>(c, m0, mm, n0, n1, sc, bi); break;
+      default: rows<BITS, 128>(c, m0, mm, n0, n1, sc, bi); break;
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------- GEMM ----
+//
+// M > kGemvMaxRows: the weights are re-laid once per task so that one zmm
+// holds the same 4 values of 16 weight rows, [k / 4][16 rows][4 bytes] u8
+// (4-bit values unpacked to bytes): a 32-value block is then 8 vpdpbusd
+// per activation row into one int32 vector whose lanes are the 16 rows'
+// complete block sums, converted and scaled once per block:
+//   acc[m] += cvt(isum) * d[m][b] * scale[rows][b] + bias[rows][b] * sx[m][b]
+// The 12 x 16 micro-tile keeps 12 int32 and 12 fp32 accumulators; the
+// activations (4 bytes of a row) are broadcast from memory into vpdpbusd.
+// Activations are quantized once and packed per 12 rows as
+// [block][8][12 rows][4 bytes], with d and d * sum(xq) as [block][12].
+
+constexpr int kGNR = 16;  // weight rows per micro-tile (one zmm of lanes)
+
+// Rows up to which the GEMV tile runs; the GEMM from 8 rows on. The default
+// model's matmul shapes for one step, one thread, interleaved runs (int8
+// GEMV vs GEMM): 6 rows 2.18 vs 2.68 ms, 8 rows 3.11 vs 2.87 ms, 16 rows
+// 5.70 vs 3.66 ms (the 8-bit head: GEMV ~1.0x of fp32, GEMM 1.6x).
+constexpr int64_t kInt8GemvMaxRows = 7;
+
+struct GemmCtx {
+  const Args* a;
+  const int8_t* ap;  // [P][B][8][MR][4]
+  const float* ad;   // [P][B][MR] d
+  const float* as;   // [P][B][MR] d * sum(xq)
+  int64_t B, P;
+};
+
+// Quantize rows p*MR .. +MR-1 of a.x into panel p (missing rows: 0).
+template <int BITS, int kGMR>
+void pack_rows(const GemmCtx& c, int64_t p, float* tmp) {
+  const Args& a = *c.a;
+  const int64_t K = a.K, B = c.B;
+  int8_t* ap = const_cast<int8_t*>(c.ap) + p * B * 32 * kGMR;
+  float* ad = const_cast<float*>(c.ad) + p * B * kGMR;
+  float* as = const_cast<float*>(c.as) + p * B * kGMR;
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int r = 0; r < kGMR; ++r) {
+    const int64_t m = p * kGMR + r;
+    if (m >= a.M) {
+      for (int64_t b = 0; b < B; ++b) {
+        for (int j = 0; j < 8; ++j) std::memset(ap + (b * 8 + j) * kGMR * 4 + r * 4, 0, 4);
+        ad[b * kGMR + r] = 0.0f;
+        as[b * kGMR + r] = 0.0f;
+      }
+      continue;
+    }
+    cvt_row(a.x, a.x_dtype, m * K, K, tmp);
+    for (int64_t b = 0; b < B; ++b) {
+      // quantize_block, vectorized (as prepare_row).
+      const __m512 v0 = _mm512_loadu_ps(tmp + b * 32), v1 = _mm512_loadu_ps(tmp + b * 32 + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+      alignas(64) int8_t blk[kActBlock];
+      float d = amax / 127.0f;
+      int32_t is = 0;
+      if (amax > 0.0f) {
+        const __m512 id = _mm512_set1_ps(127.0f / amax);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        _mm_store_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtepi32_epi8(q0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(blk + 16), _mm512_cvtepi32_epi8(q1));
+        is = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      } else {
+        std::memset(blk, 0, sizeof(blk));
+        d = 0.0f;
+      }
+      if (BITS == 4) {  // even values, then odd (see pack_panel)
+        alignas(16) int8_t eo[kActBlock];
+        for (int i = 0; i < 16; ++i) {
+          eo[i] = blk[2 * i];
+          eo[16 + i] = blk[2 * i + 1];
+        }
+        std::memcpy(blk, eo, sizeof(eo));
+      }
+      for (int j = 0; j < 8; ++j) std::memcpy(ap + (b * 8 + j) * kGMR * 4 + r * 4, blk + 4 * j, 4);
+      ad[b * kGMR + r] = d;
+      as[b * kGMR + r] = d * static_cast<float>(is);
+    }
+  }
+}
+
+// In-register transpose of 16 rows of 16 dwords: r[i] lane j -> r[j] lane i.
+inline void transpose16x16_epi32(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const int o = 4 * q;
+    r[o + 0] = _mm512_shuffle_ps(t[o + 0], t[o + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[o + 1] = _mm512_shuffle_ps(t[o + 0], t[o + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[o + 2] = _mm512_shuffle_ps(t[o + 1], t[o + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[o + 3] = _mm512_shuffle_ps(t[o + 1], t[o + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int o = 8 * h;
+    for (int i = 0; i < 4; ++i) {
+      t[o + i] = _mm512_shuffle_f32x4(r[o + i], r[o + 4 + i], 0x88);
+      t[o + 4 + i] = _mm512_shuffle_f32x4(r[o + i], r[o + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// Weight rows n0 .. n0+15 as bp[B][8][16][4] u8 (rows >= N are 0): dword
+// (b, j, row) holds 4 values of the row's block b, in the order the
+// activations are packed (pack_rows): 8 bits: values 4j .. 4j+3; 4 bits:
+// j < 4 the even values 8j, 8j+2, 8j+4, 8j+6, j >= 4 the odd ones (the low
+// and high nibbles of the packed bytes, no reordering). Two blocks at a
+// time: one 64-byte vector per row, one 16 x 16 dword transpose. Also the
+// rows' scales and biases per block as sb[B][16], bb[B][16]; sgt: 2 * 16 * G
+// floats.
+template <int BITS>
+void pack_panel(const Args& a, int64_t n0, uint8_t* bp, float* sb, float* bb, float* sgt) {
+  const int64_t K = a.K, G = K / a.group_size, B = K / kActBlock;
+  const int64_t row_bytes = K * BITS / 8;
+  const int64_t nc = a.N - n0 < kGNR ? a.N - n0 : kGNR;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + n0 * row_bytes;
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  // The next panel's rows (contiguous after these) are fetched while this
+  // one is packed: the rows are read 64 bytes at a time across 16 rows,
+  // a pattern the hardware prefetchers follow poorly.
+  const int64_t pf_bytes = n0 + 2 * kGNR <= a.N ? kGNR * row_bytes : 0;
+  const int64_t pf_step = ceil_div(pf_bytes, ceil_div(B, 2) * 64) * 64;
+  for (int64_t b = 0; b < B; b += 2) {
+    const bool two = b + 1 < B;
+    if (pf_bytes) {
+      const int64_t off = (b / 2) * pf_step;
+      prefetch_bytes(w + kGNR * row_bytes, off, off + pf_step <= pf_bytes ? pf_step : pf_bytes - off);
+    }
+    __m512 r[16];
+    for (int j = 0; j < kGNR; ++j) {
+      // Rows >= nc: masked loads read nothing (and give 0).
+      const uint8_t* row = w + j * row_bytes;
+      const bool in = j < nc;
+      __m512i v;
+      if (BITS == 4) {
+        // 32 packed bytes = blocks b, b+1: [b even | b+1 even | b odd | b+1 odd]
+        const __mmask32 m = in ? (two ? ~0u : 0xffffu) : 0u;
+        const __m256i p = _mm256_maskz_loadu_epi8(m, row + b * 16);
+        const __m256i lo = _mm256_and_si256(p, nib);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
+        v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        // -> [b even | b odd | b+1 even | b+1 odd]
+        v = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+      } else {
+        const __mmask64 m = in ? (two ? ~0ull : 0xffffffffull) : 0ull;
+        v = _mm512_maskz_loadu_epi8(m, row + b * 32);
+      }
+      r[j] = _mm512_castsi512_ps(v);
+    }
+    transpose16x16_epi32(r);
+    float* dst = reinterpret_cast<float*>(bp + b * 8 * 64);
+    for (int j = 0; j < (two ? 16 : 8); ++j) _mm512_store_ps(dst + j * 16, r[j]);
+  }
+  // Scales / biases per (block, row).
+  float* sc = sgt;
+  float* bi = sgt + kGNR * G;
+  cvt_row(a.scales, a.s_dtype, n0 * G, nc * G, sc);
+  if (a.biases) {
+    cvt_row(a.biases, a.s_dtype, n0 * G, nc * G, bi);
+  } else {
+    sym_biases(sc, nc * G, a.bits, bi);
+  }
+  const int64_t bpg = a.group_size / kActBlock;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t g = b / bpg;
+    for (int64_t j = 0; j < kGNR; ++j) {
+      sb[b * kGNR + j] = j < nc ? sc[j * G + g] : 0.0f;
+      bb[b * kGNR + j] = j < nc ? bi[j * G + g] : 0.0f;
+    }
+  }
+}
+
+// out[m0 + r][n0 .. n0+nc) for r < mr: the MR x 16 micro-tile over all K.
+template <int kGMR>
+inline void gemm_micro(const GemmCtx& c, int64_t p, const uint8_t* bp, const float* sb,
+                       const float* bb, int64_t n0, int mr, int64_t nc) {
+  const Args& a = *c.a;
+  const int64_t B = c.B;
+  const int8_t* ap = c.ap + p * B * 32 * kGMR;
+  const float* ad = c.ad + p * B * kGMR;
+  const float* as = c.as + p * B * kGMR;
+  __m512 acc[kGMR];
+#pragma GCC unroll 12
+  for (int r = 0; r < kGMR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i s[kGMR];
+#pragma GCC unroll 12
+    for (int r = 0; r < kGMR; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i wv = _mm512_load_si512(bp + j * 64);
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(ap + j * kGMR * 4);
+#pragma GCC unroll 12
+      for (int r = 0; r < kGMR; ++r) s[r] = _mm512_dpbusd_epi32(s[r], wv, _mm512_set1_epi32(x4[r]));
+    }
+    const __m512 sv = _mm512_load_ps(sb + b * kGNR);
+    const __m512 bv = _mm512_load_ps(bb + b * kGNR);
+#pragma GCC unroll 12
+    for (int r = 0; r < kGMR; ++r) {
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(ad[r]));
+      acc[r] = _mm512_fmadd_ps(t, sv, acc[r]);
+      acc[r] = _mm512_fmadd_ps(bv, _mm512_set1_ps(as[r]), acc[r]);
+    }
+    bp += 8 * 64;
+    ap += 8 * kGMR * 4;
+    ad += kGMR;
+    as += kGMR;
+  }
+  const int64_t N = a.N, m0 = p * kGMR;
+  const __mmask16 mk = tail_mask(nc);
+  for (int r = 0; r < mr; ++r) store_cvt(a.out, a.x_dtype, (m0 + r) * N + n0, acc[r], mk);
+}
+
+template <int BITS, int kGMR>
+void gemm_bits(const Args& a) {
+  const int64_t M = a.M, N = a.N, K = a.K, B = K / kActBlock, G = K / a.group_size;
+  const int64_t P = ceil_div(M, kGMR);
+  // ap (bytes), then ad and as.
+  const int64_t ap_floats = P * B * 32 * kGMR / 4;
+  float* buf = tl_x.get(static_cast<size_t>(ap_floats + 2 * P * B * kGMR + 16));
+  GemmCtx c{&a, reinterpret_cast<const int8_t*>(buf), buf + ap_floats,
+            buf + ap_floats + P * B * kGMR, B, P};
+  const GemmCtx* pc = &c;
+  auto pack = [pc, K](int64_t p0, int64_t p1) {
+    float* tmp = tl_t.get(static_cast<size_t>(K));
+    for (int64_t p = p0; p < p1; ++p) pack_rows<BITS, kGMR>(*pc, p, tmp);
+  };
+  par(P, 2, pack);
+  const int64_t NB = ceil_div(N, kGNR);
+  // Row panels per task: their packed activations (K + 8 B floats per row)
+  // stay in L2 while the task's weight panel passes over them.
+  const int64_t panel_bytes = kGMR * (K + 8 * B);
+  int64_t pcn = (int64_t(512) << 10) / panel_bytes;
+  if (pcn < 1) pcn = 1;
+  auto body = [pc, pcn, NB, K, B, G, M, N](int64_t t0, int64_t t1) {
+    const Args& a = *pc->a;
+    // bp ((B rounded up to 2) * 32 * 16 bytes), sb, bb ([B][16]), the panel's
+    // fp32 scales and biases ([16][G] each).
+    const int64_t wfl = (B + 1) / 2 * 2 * 32 * kGNR / 4;
+    float* w = tl_w.get(static_cast<size_t>(wfl + 2 * B * kGNR + 2 * kGNR * G + 16));
+    uint8_t* bp = reinterpret_cast<uint8_t*>(w);
+    float* sb = w + wfl;
+    float* bb = sb + B * kGNR;
+    float* sgt = bb + B * kGNR;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pb = (t / NB) * pcn;
+      const int64_t pe = pb + pcn < pc->P ? pb + pcn : pc->P;
+      const int64_t n0 = (t % NB) * kGNR;
+      const int64_t nc = N - n0 < kGNR ? N - n0 : kGNR;
+      pack_panel<BITS>(a, n0, bp, sb, bb, sgt);
+      for (int64_t p = pb; p < pe; ++p) {
+        const int mr = static_cast<int>(M - p * kGMR < kGMR ? M - p * kGMR : kGMR);
+        gemm_micro<kGMR>(*pc, p, bp, sb, bb, n0, mr, nc);
+      }
+    }
+  };
+  // Several consecutive panels per pull: the next panel's prefetch (see
+  // pack_panel) is then mostly this thread's next panel.
+  const int64_t units = ceil_div(pc->P, pcn) * NB;
+  par_dynamic(units, units / (16 * num_threads()), body);
+  tl_x.trim(kKeepScratchFloats);
+}
+
+template <int BITS>
+void run_bits(const Args& a) {
+  constexpr int64_t VPC = vpc<BITS>();
+  const int64_t M = a.M, K = a.K;
+  Int8Ctx c{&a, nullptr, nullptr, nullptr, K / a.group_size, K * BITS / 8, 0, 0, 0, 0};
+  c.Kp = round_up(K, VPC);
+  const int64_t tail_bytes = (K - (c.Kp - VPC)) * BITS / 8;
+  c.tail = tail_bytes >= 64 ? ~0ull : (1ull << tail_bytes) - 1;
+  c.nl = c.Kp / VPC * 16;
+  c.Bp = round_up(K / kActBlock, 16);
+  // One scratch: xq bytes, then the lane and block scales (64-byte aligned).
+  const int64_t xq_floats = round_up(M * c.Kp / 4, 16);
+  float* buf = tl_x.get(static_cast<size_t>(xq_floats + M * c.nl + M * c.Bp + 16));
+  c.xq = reinterpret_cast<const int8_t*>(buf);
+  c.dl = buf + xq_floats;
+  c.sxb = buf + xq_floats + M * c.nl;
+  const Int8Ctx* pc = &c;
+  auto prep = [pc, K](int64_t m0, int64_t m1) {
+    float* tmp = tl_t.get(static_cast<size_t>(K));
+    for (int64_t m = m0; m < m1; ++m) prepare_row<BITS>(*pc, m, tmp);
+  };
+  if (M >= 32) {
+    par(M, 16, prep);
+  } else {
+    prep(0, M);
+  }
+  // Tasks: 16 weight rows (L1-resident) against a block of activation rows
+  // small enough to stay in L2 (their int8 rows and scales).
+  const int64_t row_bytes = c.Kp + 4 * (c.nl + c.Bp);
+  int64_t mb = (int64_t(512) << 10) / row_bytes;
+  mb = mb < kMaxMM ? kMaxMM : (mb / kMaxMM) * kMaxMM;
+  if (mb > M) mb = M;
+  const int64_t MB = ceil_div(M, mb);
+  const int64_t NB = ceil_div(a.N, kGemvRowBlock);
+  auto body = [pc, mb, M, NB](int64_t u0, int64_t u1) {
+    const Args& a = *pc->a;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t m0 = (u / NB) * mb, m1 = m0 + mb < M ? m0 + mb : M;
+      const int64_t n0 = (u % NB) * kGemvRowBlock;
+      unit<BITS>(*pc, m0, m1, n0, n0 + kGemvRowBlock < a.N ? n0 + kGemvRowBlock : a.N);
+    }
+  };
+  const int64_t units = MB * NB;
+  par_dynamic(units, units / (8 * num_threads()), body);
+  tl_x.trim(kKeepScratchFloats);
+}
+
+} // namespace
+
+void run_int8_avx512vnni(const Args& a) {
+  if (a.bits != 4 && a.bits != 8) return run_int8_portable(a);
+  if (a.M > kInt8GemvMaxRows) {
+    // The micro-tile height that pads M least (ties: the taller one).
+    const int64_t pad12 = ceil_div(a.M, 12) * 12, pad8 = ceil_div(a.M, 8) * 8;
+    if (pad8 < pad12) {
+      a.bits == 4 ? gemm_bits<4, 8>(a) : gemm_bits<8, 8>(a);
+    } else {
+      a.bits == 4 ? gemm_bits<4, 12>(a) : gemm_bits<8, 12>(a);
+    }
+  } else {
+    a.bits == 4 ? run_bits<4>(a) : run_bits<8>(a);
+  }
+}
+
+} // namespace qmm
+} // namespace mlxfast

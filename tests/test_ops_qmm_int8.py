@@ -1,0 +1,164 @@
+"""Int8 activations (``ops.quantized_matmul(..., activations="int8")``):
+the native kernels against their pure-MLX reference.
+
+Oracle: ``quantized_matmul_int8_reference`` = x quantized to int8 per 32
+values (d = max|x| / 127), dequantized (``x_hat = d * xq``), then MLX's
+fp32 quantized matmul. The kernels compute the same products as exact
+integer sums per block, scaled afterwards, so they differ from the oracle by
+float rounding order only: the error, against the natural scale
+|x_hat| @ |w_hat|.T, is held to 2e-6 (measured: <= 3e-7). Every CPU path
+this machine can execute is forced in turn (the portable kernel and, on
+AVX-512 VNNI CPUs, the VNNI kernel).
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxfast import _ext, ops
+
+TOL = 2e-6
+
+
+def make_weights(N, K, group_size, bits, sdtype=mx.float16, seed=0):
+    mx.random.seed(seed)
+    w = mx.random.normal((N, K)) * 0.05
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    return wq, s.astype(sdtype), b.astype(sdtype)
+
+
+def rel_err(got, x, wq, s, b, group_size, bits):
+    if b is None:
+        b = s * -float(1 << (bits - 1))
+    ref = ops.quantized_matmul_int8_reference(x, wq, s, b, group_size=group_size, bits=bits)
+    xh = ops.fake_quantize_activations_int8(x)
+    wf = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size,
+                       bits=bits)
+    scale = mx.abs(xh) @ mx.abs(wf).T
+    return (mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)) / (scale + 1e-30)).max().item()
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 17, 40, 200])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("with_biases", [True, False], ids=["biases", "symmetric"])
+def test_kernel_matches_int8_reference(path, M, bits, group_size, with_biases):
+    # Odd N; K = 320 and 576 are not multiples of the 4-bit kernel's
+    # 128-value chunk (a masked tail chunk).
+    for N, K in ((37, 320), (19, 576)):
+        wq, s, b = make_weights(N, K, group_size, bits, seed=M)
+        x = mx.random.normal((M, K)) * mx.random.uniform(0.1, 4.0, (M, 1))
+        bb = b if with_biases else None
+        got = _ext.quantized_matmul_direct(x, wq, s, bb, group_size=group_size, bits=bits,
+                                           int8=True, path=path)
+        err = rel_err(got, x, wq, s, bb, group_size, bits)
+        assert np.isfinite(err) and err <= TOL, (N, K, err)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_other_bit_widths(path, bits):
+    wq, s, b = make_weights(21, 256, 64, bits)
+    x = mx.random.normal((5, 256))
+    got = ops.quantized_matmul(x, wq, s, b, group_size=64, bits=bits, activations="int8")
+    assert rel_err(got, x, wq, s, b, 64, bits) <= TOL
+
+
+@pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("M", [1, 6, 24])
+def test_op_dtypes_and_batch(path, xdtype, M):
+    wq, s, b = make_weights(50, 576, 32, 4)
+    x = mx.random.normal((2, M, 576)).astype(xdtype)
+    got = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4, activations="int8")
+    assert got.dtype == xdtype and got.shape == (2, M, 50)
+    want = ops.quantized_matmul_reference(x, wq, s, b, group_size=32, bits=4, activations="int8")
+    tol = {mx.float32: TOL, mx.float16: 1e-3, mx.bfloat16: 8e-3}[xdtype]
+    err = rel_err(got.reshape(-1, 50), x.reshape(-1, 576), wq, s, b, 32, 4)
+    assert err <= tol
+    assert mx.array_equal(want, ops.quantized_matmul_int8_reference(x, wq, s, b, group_size=32,
+                                                                    bits=4))
+
+
+def test_int8_is_not_fp32(path):
+    # The opt-in really changes the numbers (no silent fp32), and only by
+    # the activation rounding: ~1% of the product's natural scale.
+    wq, s, b = make_weights(64, 576, 32, 4)
+    x = mx.random.normal((3, 576))
+    fp = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4)
+    i8 = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4, activations="int8")
+    scale = mx.abs(x) @ mx.abs(mx.dequantize(wq, s, b, group_size=32, bits=4)).T
+    d = (mx.abs(fp - i8) / scale).max().item()
+    assert 1e-5 < d < 2e-2
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_do_not_depend_on_their_batch(path, bits):
+    # Per-row quantization and a fixed accumulation order per output: a row
+    # gives the same bits alone or in a GEMV batch (up to 7 rows), and the
+    # same bits in any GEMM batch (8 rows and more, any micro-tile height).
+    wq, s, b = make_weights(45, 576, 32, bits)
+    x = mx.random.normal((40, 576))
+    kw = dict(group_size=32, bits=bits, activations="int8")
+    gemv = ops.quantized_matmul(x[:7], wq, s, b, **kw)
+    for m in (0, 3, 6):
+        one = ops.quantized_matmul(x[m:m + 1], wq, s, b, **kw)
+        assert mx.array_equal(one[0], gemv[m])
+    full = ops.quantized_matmul(x, wq, s, b, **kw)
+    for n in (8, 9, 16, 24):
+        assert mx.array_equal(ops.quantized_matmul(x[:n], wq, s, b, **kw), full[:n])
+
+
+def test_fused_pieces_match_separate_ops(path):
+    # The prologue feeds the int8 kernel its own op's numbers: bit-identical.
+    wq, s, b = make_weights(40, 256, 64, 4, mx.float32)
+    x = mx.random.normal((7, 256))
+    nw = mx.random.uniform(0.5, 1.5, (256,))
+    r = mx.random.normal((7, 40))
+    kw = dict(group_size=64, bits=4, activations="int8")
+    fused = ops.quantized_matmul(x, wq, s, b, norm=(nw, 1e-5), residual=r, **kw)
+    sep = r + ops.quantized_matmul(ops.rms_norm(x, nw, 1e-5), wq, s, b, **kw)
+    assert mx.array_equal(fused, sep)
+    xa = mx.random.normal((7, 512))
+    fused = ops.quantized_matmul(xa, wq, s, b, act="silu_mul_halves", **kw)
+    sep = ops.quantized_matmul(ops.silu_mul_halves(xa), wq, s, b, **kw)
+    assert mx.array_equal(fused, sep)
+
+
+def test_zero_rows_and_blocks(path):
+    # A block of zeros has d = 0 (no division by zero), a zero row gives 0.
+    wq, s, b = make_weights(16, 128, 32, 8, mx.float32)
+    x = mx.random.normal((3, 128))
+    x = mx.concatenate([mx.zeros((1, 128)), x[1:2], mx.concatenate(
+        [mx.zeros((1, 64)), x[2:, 64:]], axis=1)])
+    got = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=8, activations="int8")
+    assert mx.array_equal(got[0], mx.zeros((16,)))
+    assert rel_err(got, x, wq, s, b, 32, 8) <= TOL
+
+
+def test_validation():
+    wq, s, b = make_weights(8, 64, 32, 4)
+    x = mx.random.normal((2, 64))
+    with pytest.raises(ValueError, match="activations"):
+        ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4, activations="int4")
+    with pytest.raises(ValueError, match="activations"):
+        _ext.quantized_matmul(x, wq, s, b, group_size=32, bits=4, activations="fp8")
+    with pytest.raises(ValueError, match="transpose"):
+        ops.quantized_matmul(x, wq, s, b, transpose=False, group_size=32, bits=4,
+                             activations="int8")
+
+
+def test_support_query_names_what_the_cpu_lacks():
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    msg = ops.int8_activations_unsupported()
+    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    if need <= flags:
+        assert msg == ""
+    elif flags:
+        assert "avx512" in msg and "lacks" in msg
