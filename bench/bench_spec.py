@@ -4,6 +4,7 @@ same model (the outputs are identical, greedy, so the ratio is of times).
 
     .venv/bin/python bench/bench_spec.py [--model PATH] [--tokens 160] [--rounds 3]
         [--concurrency 1,8] [--num-draft-tokens 8] [--workloads copy,prose,json]
+        [--matmul-activations int8]
 
 Workloads: ``copy`` (source code, then an instruction to reproduce it with a
 small change: the answer re-emits its context) and ``prose`` (answers that
@@ -141,12 +142,14 @@ def main():
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--workloads", default="copy,prose,json", help="of copy, prose, json")
+    ap.add_argument("--matmul-activations", choices=["fp32", "int8"], default="fp32",
+                    help="int8: both engines run the opt-in int8-activation matmuls (verification is compute)")
     ap.add_argument("--draft", action="store_true", help="the draft-model workload instead")
     args = ap.parse_args()
     print(f"{'workload':8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7}  identical")
     if args.draft:
         return draft_bench(args)
-    model, tok = mlxfast.load(args.model)
+    model, tok = mlxfast.load(args.model, matmul_activations=args.matmul_activations)
     cfg = dict(num_blocks=2048, max_num_seqs=16)
     off = Engine(model, tok, EngineConfig(**cfg)).start()
     on = Engine(model, tok, EngineConfig(spec_kind="ngram", num_draft_tokens=args.num_draft_tokens, **cfg)).start()
