@@ -56,6 +56,28 @@ inline void cvt_row(const void* src, DType dt, int64_t off, int64_t n, float* ds
   }
 }
 
+// One 32-value block of x to int8 (blk), vectorized quantize_block (same
+// operations, same numbers): returns d, and d * sum(xq) in *sx.
+inline float quantize_block32(const float* x, int8_t* blk, float* sx) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+  if (!(amax > 0.0f)) {
+    std::memset(blk, 0, kActBlock);
+    *sx = 0.0f;
+    return 0.0f;
+  }
+  const float d = amax / 127.0f;
+  const __m512 id = _mm512_set1_ps(127.0f / amax);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));  // round to nearest even
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 16), _mm512_cvtepi32_epi8(q1));
+  *sx = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  return d;
+}
+
 // Row m of a.x quantized into c's buffers (tmp: K floats).
 template <int BITS>
 void prepare_row(const Int8Ctx& c, int64_t m, float* tmp) {
@@ -67,26 +89,8 @@ void prepare_row(const Int8Ctx& c, int64_t m, float* tmp) {
   float* dl = const_cast<float*>(c.dl) + m * c.nl;
   float* sxb = const_cast<float*>(c.sxb) + m * c.Bp;
   alignas(64) int8_t blk[kActBlock];
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < B; ++b) {
-    // quantize_block, vectorized (same operations, same numbers).
-    const __m512 v0 = _mm512_loadu_ps(tmp + b * 32), v1 = _mm512_loadu_ps(tmp + b * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
-    float d = amax / 127.0f;
-    int32_t is = 0;
-    if (amax > 0.0f) {
-      const __m512 id = _mm512_set1_ps(127.0f / amax);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));  // round to nearest even
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-      _mm_store_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtepi32_epi8(q0));
-      _mm_store_si128(reinterpret_cast<__m128i*>(blk + 16), _mm512_cvtepi32_epi8(q1));
-      is = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    } else {
-      std::memset(blk, 0, sizeof(blk));
-      d = 0.0f;
-    }
-    sxb[b] = d * static_cast<float>(is);
+    const float d = quantize_block32(tmp + b * 32, blk, sxb + b);
     // Into the chunk byte order.
     const int64_t k0 = b * kActBlock, ch = k0 / VPC, o = k0 % VPC;
     int8_t* dst = xq + ch * VPC;
@@ -300,7 +304,6 @@ void pack_rows(const GemmCtx& c, int64_t p, float* tmp) {
   int8_t* ap = const_cast<int8_t*>(c.ap) + p * B * 32 * kGMR;
   float* ad = const_cast<float*>(c.ad) + p * B * kGMR;
   float* as = const_cast<float*>(c.as) + p * B * kGMR;
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int r = 0; r < kGMR; ++r) {
     const int64_t m = p * kGMR + r;
     if (m >= a.M) {
@@ -313,24 +316,9 @@ void pack_rows(const GemmCtx& c, int64_t p, float* tmp) {
     }
     cvt_row(a.x, a.x_dtype, m * K, K, tmp);
     for (int64_t b = 0; b < B; ++b) {
-      // quantize_block, vectorized (as prepare_row).
-      const __m512 v0 = _mm512_loadu_ps(tmp + b * 32), v1 = _mm512_loadu_ps(tmp + b * 32 + 16);
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
       alignas(64) int8_t blk[kActBlock];
-      float d = amax / 127.0f;
-      int32_t is = 0;
-      if (amax > 0.0f) {
-        const __m512 id = _mm512_set1_ps(127.0f / amax);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-        _mm_store_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtepi32_epi8(q0));
-        _mm_store_si128(reinterpret_cast<__m128i*>(blk + 16), _mm512_cvtepi32_epi8(q1));
-        is = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      } else {
-        std::memset(blk, 0, sizeof(blk));
-        d = 0.0f;
-      }
+      float sx;
+      const float d = quantize_block32(tmp + b * 32, blk, &sx);
       if (BITS == 4) {  // even values, then odd (see pack_panel)
         alignas(16) int8_t eo[kActBlock];
         for (int i = 0; i < 16; ++i) {
@@ -341,7 +329,7 @@ void pack_rows(const GemmCtx& c, int64_t p, float* tmp) {
       }
       for (int j = 0; j < 8; ++j) std::memcpy(ap + (b * 8 + j) * kGMR * 4 + r * 4, blk + 4 * j, 4);
       ad[b * kGMR + r] = d;
-      as[b * kGMR + r] = d * static_cast<float>(is);
+      as[b * kGMR + r] = sx;
     }
   }
 }
