@@ -190,10 +190,11 @@ class StepCost:
         else:
             self._counts.insert(i, k)
             self._seconds.insert(i, seconds)
-        top, self._floor = 0.0, []
-        for v in self._seconds:
-            top = max(top, v)
-            self._floor.append(top)
+            self._floor.insert(i, 0.0)
+        top = self._floor[i - 1] if i else 0.0  # only counts from i on can change
+        for j in range(i, len(self._seconds)):
+            top = max(top, self._seconds[j])
+            self._floor[j] = top
 
     def _slope(self, lo: int) -> float:
         counts, vals = self._counts, self._floor
