@@ -71,7 +71,7 @@ NB_MODULE(_ext, m) {
         "act"_a = nb::none(), "residual"_a = nb::none(), "stream"_a = nb::none());
   m.def("quantized_matmul",
         [](const mx::array& x, const mx::array& w, const mx::array& scales,
-           const mx::array& biases, int group_size, int bits, std::optional<mx::array> norm,
+           std::optional<mx::array> biases, int group_size, int bits, std::optional<mx::array> norm,
            float eps, std::optional<std::string> act, std::optional<mx::array> residual,
            const std::string& activations, mx::StreamOrDevice s) {
           if (activations != "fp32" && activations != "int8") {
@@ -83,7 +83,7 @@ NB_MODULE(_ext, m) {
                                            mlxfast::Fusion{norm, eps, act.value_or(""), residual},
                                            activations == "int8", s);
         },
-        "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
+        "x"_a, "w"_a, "scales"_a, "biases"_a.none(), nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
         "norm"_a = nb::none(), "eps"_a = 0.f, "act"_a = nb::none(), "residual"_a = nb::none(),
         "activations"_a = "fp32", "stream"_a = nb::none());
   m.def("quantized_matmul_direct", &mlxfast::quantized_matmul_direct, "x"_a, "w"_a, "scales"_a,
@@ -91,7 +91,7 @@ NB_MODULE(_ext, m) {
         "Test hook: the kernels on evaluated arrays (biases None: symmetric).");
   m.def("int8_activations_unsupported", &mlxfast::int8_acts_unsupported,
         "'' where this CPU runs the int8-activation matmul natively, else what it lacks.");
-  m.def("dequantize_rows", &mlxfast::dequantize_rows, "w"_a, "scales"_a, "biases"_a, "ids"_a,
+  m.def("dequantize_rows", &mlxfast::dequantize_rows, "w"_a, "scales"_a, "biases"_a.none(), "ids"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "dtype"_a = nb::none(), "stream"_a = nb::none());
   m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
         "block_tables"_a, "seq_idx"_a, "positions"_a, "scale"_a, "block_size"_a,

@@ -207,7 +207,33 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="same dtype as scales"):
         qm(x, wq, s, b.astype(mx.float32), group_size=32, bits=4)
     with pytest.raises(ValueError, match="biases"):
-        qm(x, wq, s, None, group_size=32, bits=4)
+        qm(x, wq, s, b[:4], group_size=32, bits=4)
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 128), (8, 32), (8, 64)], ids=str)
+@pytest.mark.parametrize("M", [1, 5, 12, 70])
+def test_symmetric_weights_without_biases(path, bits, gs, M):
+    """biases None (a symmetric format: every bias -2^(bits-1) * scale, as the
+    loader keeps GGUF's Q4_0 / Q8_0): bit-identical to passing those biases,
+    on the GEMV and GEMM paths, and the reference materializes the same."""
+    N, K = 37, 256
+    mx.random.seed(3)
+    wq = mx.random.randint(0, 2**31, (N, K * bits // 32)).astype(mx.uint32)
+    s = (mx.random.uniform(shape=(N, K // gs)) * 0.02 + 0.001).astype(mx.float16)
+    b = ops.symmetric_biases(s, bits)
+    assert mx.array_equal(b, s * -(2 ** (bits - 1)))
+    x = mx.random.normal((M, K))
+    got = ops.quantized_matmul(x, wq, s, None, group_size=gs, bits=bits)
+    want = ops.quantized_matmul(x, wq, s, b, group_size=gs, bits=bits)
+    assert mx.array_equal(got, want)
+    check(x, wq, s, b, gs, bits)
+    ref = ops.quantized_matmul_reference(x, wq, s, None, group_size=gs, bits=bits)
+    assert mx.array_equal(ref, ops.quantized_matmul_reference(x, wq, s, b, group_size=gs, bits=bits))
+    ids = mx.array([[0, 36], [5, 5]])
+    rows = ops.dequantize_rows(wq, s, None, ids, group_size=gs, bits=bits)
+    assert mx.array_equal(rows, ops.dequantize_rows(wq, s, b, ids, group_size=gs, bits=bits))
+    assert mx.array_equal(rows, ops.dequantize_rows_reference(wq, s, None, ids, group_size=gs,
+                                                              bits=bits))
 
 
 def test_dequantize_rows():

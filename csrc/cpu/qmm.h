@@ -59,8 +59,8 @@ inline int dtype_size(DType dt) { return dt == F32 ? 4 : 2; }
 
 // Symmetric formats (GGUF's Q4_0, Q5_0, Q8_0 read as MLX groups) have
 // bias = -2^(bits-1) * scale in every group, exactly: a kernel given
-// biases == nullptr computes them so (same numbers, fewer bytes). Only the
-// MoE experts pass nullptr (ops/moe.cpp); quantized_matmul always has biases.
+// biases == nullptr computes them so (same numbers, fewer bytes). The loader
+// drops such biases (models/layers.py drop_symmetric_biases).
 inline float sym_bias(int bits) { return -static_cast<float>(1 << (bits - 1)); }
 
 // Rows up to which the GEMV (weight-streaming) path is used; above it the

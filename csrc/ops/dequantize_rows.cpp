@@ -53,7 +53,7 @@ void run(const uint8_t* w, const void* sc, const void* bi, mx::Dtype sdt, const 
       const uint8_t* row = w + id * row_bytes;
       for (int64_t g = 0; g < groups; ++g) {
         const float s = load(sdt, sc, id * groups + g);
-        const float z = load(sdt, bi, id * groups + g);
+        const float z = bi ? load(sdt, bi, id * groups + g) : s * -static_cast<float>(1 << (bits - 1));
         for (int64_t j = g * group_size; j < (g + 1) * group_size; ++j)
           o[j] = static_cast<O>(s * static_cast<float>(code(row, j, bits)) + z);
       }
@@ -63,10 +63,13 @@ void run(const uint8_t* w, const void* sc, const void* bi, mx::Dtype sdt, const 
 
 } // namespace
 
-mx::array dequantize_rows(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                          const mx::array& ids, int group_size, int bits,
-                          std::optional<mx::Dtype> dtype, mx::StreamOrDevice s) {
+mx::array dequantize_rows(const mx::array& w, const mx::array& scales,
+                          const std::optional<mx::array>& biases_in, const mx::array& ids,
+                          int group_size, int bits, std::optional<mx::Dtype> dtype,
+                          mx::StreamOrDevice s) {
   const char* op = "dequantize_rows";
+  const bool symmetric = !biases_in.has_value();
+  const mx::array& biases = symmetric ? scales : *biases_in;
   if (bits < 2 || bits > 8 || bits == 7) fail(op, "bits must be 2, 3, 4, 5, 6 or 8.");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     fail(op, "group_size must be 32, 64 or 128.");
@@ -85,7 +88,7 @@ mx::array dequantize_rows(const mx::array& w, const mx::array& scales, const mx:
   mx::array idx = ids.dtype() == mx::int32 ? ids : mx::astype(ids, mx::int32, stream);
   mx::Shape shape = ids.shape();
   shape.push_back(static_cast<int>(D));
-  return mx::array(shape, out_dt, std::make_shared<DequantizeRows>(stream, group_size, bits),
+  return mx::array(shape, out_dt, std::make_shared<DequantizeRows>(stream, group_size, bits, symmetric),
                    {w, scales, biases, idx});
 }
 
@@ -101,6 +104,7 @@ void DequantizeRows::eval_cpu(const std::vector<mx::array>& inputs,
   const int64_t n = inputs[3].size();
   const mx::Dtype sdt = inputs[1].dtype(), odt = out.dtype();
   const int gs = group_size_, bits = bits_;
+  const bool symmetric = symmetric_;
   void* o = out.data<void>();
   enc.dispatch([=]() {
     w.pack();
@@ -108,7 +112,8 @@ void DequantizeRows::eval_cpu(const std::vector<mx::array>& inputs,
     bi.pack();
     ids.pack();
     auto go = [&](auto* typed) {
-      run(static_cast<const uint8_t*>(w.data), sc.data, bi.data, sdt, ids.as<int32_t>(), typed,
+      run(static_cast<const uint8_t*>(w.data), sc.data, symmetric ? nullptr : bi.data, sdt,
+          ids.as<int32_t>(), typed,
           n, V, D, row_bytes, gs, bits);
     };
     if (odt == mx::float32) {

@@ -16,19 +16,20 @@ namespace mx = mlx::core;
 
 // w [V, D * bits / 32] uint32 (MLX's affine format: codes LSB first, a plain
 // bit stream per row for every bits), scales and biases [V, D / group_size]
-// (float32/float16/bfloat16), ids integer of any shape. Returns
+// (float32/float16/bfloat16; biases absent: symmetric, -2^(bits-1) * scale),
+// ids integer of any shape. Returns
 // [*ids.shape, D] in `dtype` (default: scales' dtype), computed as
 // scale * code + bias in float32 and rounded once. Out-of-range ids give
 // zero rows.
-mx::array dequantize_rows(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                          const mx::array& ids, int group_size, int bits,
+mx::array dequantize_rows(const mx::array& w, const mx::array& scales,
+                          const std::optional<mx::array>& biases, const mx::array& ids, int group_size, int bits,
                           std::optional<mx::Dtype> dtype = std::nullopt,
                           mx::StreamOrDevice s = {});
 
 class DequantizeRows : public mx::Primitive {
  public:
-  DequantizeRows(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  DequantizeRows(mx::Stream stream, int group_size, int bits, bool symmetric = false)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), symmetric_(symmetric) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
@@ -36,12 +37,13 @@ class DequantizeRows : public mx::Primitive {
   const char* name() const override { return "MlxfastDequantizeRows"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DequantizeRows&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && symmetric_ == o.symmetric_;
   }
 
  private:
   int group_size_;
   int bits_;
+  bool symmetric_;  // no biases: the slot holds the scales again
 };
 
 } // namespace mlxfast

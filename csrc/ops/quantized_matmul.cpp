@@ -186,9 +186,11 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 } // namespace
 
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
-                           const mx::array& scales, const mx::array& biases,
+                           const mx::array& scales, const std::optional<mx::array>& biases_in,
                            int group_size, int bits, const Fusion& f, bool int8_acts,
                            mx::StreamOrDevice s) {
+  const bool symmetric = !biases_in.has_value();
+  const mx::array& biases = symmetric ? scales : *biases_in;
   const char* op = "quantized_matmul";
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(bits) + ".");
@@ -231,11 +233,13 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
   mx::Shape out_shape = x.shape();
   out_shape.back() = static_cast<int>(N);
   check_residual(op, f, out_shape, x.dtype(), p);
-  std::vector<mx::array> inputs = {x, dense_weight(w, stream), dense_weight(scales, stream),
-                                   dense_weight(biases, stream)};
+  mx::array sc = dense_weight(scales, stream);
+  std::vector<mx::array> inputs = {x, dense_weight(w, stream), sc,
+                                   symmetric ? sc : dense_weight(biases, stream)};
   inputs.insert(inputs.end(), p.extra.begin(), p.extra.end());
   return mx::array(std::move(out_shape), x.dtype(),
-                   std::make_shared<QuantizedMatmul>(stream, group_size, bits, p.spec, int8_acts),
+                   std::make_shared<QuantizedMatmul>(stream, group_size, bits, p.spec, int8_acts,
+                                                     symmetric),
                    std::move(inputs));
 }
 
@@ -302,7 +306,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   a.x = nullptr;  // set in the task (packed / prologue)
   a.w = w.data<uint32_t>();
   a.scales = sc.data<void>();
-  a.biases = bi.data<void>();
+  a.biases = symmetric_ ? nullptr : bi.data<void>();
   a.out = out.data<void>();
   a.N = w.shape(0);
   a.K = spec_.prologue == FusedSpec::ActHalves ? x.shape(-1) / 2 : x.shape(-1);

@@ -55,21 +55,24 @@ struct FusedSpec {
 };
 
 // x: [..., K] float32/float16/bfloat16; w: [N, K * bits / 32] uint32;
-// scales, biases: [N, K / group_size] float32/float16/bfloat16 (same dtype).
+// scales, biases: [N, K / group_size] float32/float16/bfloat16 (same dtype);
+// biases absent for a symmetric format (every bias -2^(bits-1) * scale, GGUF's
+// Q4_0 / Q8_0): the kernels compute them, and the matmul reads no bias stream.
 // Returns [..., N] in x's dtype, accumulated in float32. With f.act, x is
 // [..., 2K]; with f.norm_weight, the output has the norm's promoted dtype.
-// Inputs of the primitive: x, w, scales, biases[, norm_weight][, residual].
+// Inputs of the primitive: x, w, scales, biases[, norm_weight][, residual]
+// (symmetric: scales in the biases slot, unread).
 // int8_acts: the matmul quantizes x to int8 per 32 values (qmm::Args::int8_acts;
 // VNNI kernel where cpu_has_avx512_vnni(), the portable one elsewhere) —
 // the prologue and residual are unchanged.
 mx::array quantized_matmul(const mx::array& x, const mx::array& w,
-                           const mx::array& scales, const mx::array& biases,
+                           const mx::array& scales, const std::optional<mx::array>& biases,
                            int group_size, int bits, const Fusion& f = {},
                            bool int8_acts = false, mx::StreamOrDevice s = {});
 
 // Test hook: the kernels on evaluated arrays, on the calling thread's pool,
-// with biases == nullptr when `biases` is absent (symmetric formats: the
-// path only the MoE experts take) and the CPU path given by name. x [M, K]
+// with biases == nullptr when `biases` is absent (symmetric formats) and the
+// CPU path given by name. x [M, K]
 // float32; returns [M, N] float32.
 mx::array quantized_matmul_direct(const mx::array& x, const mx::array& w,
                                   const mx::array& scales, const std::optional<mx::array>& biases,
@@ -79,9 +82,9 @@ mx::array quantized_matmul_direct(const mx::array& x, const mx::array& w,
 class QuantizedMatmul : public mx::Primitive {
  public:
   QuantizedMatmul(mx::Stream stream, int group_size, int bits, FusedSpec spec = {},
-                  bool int8_acts = false)
+                  bool int8_acts = false, bool symmetric = false)
       : mx::Primitive(stream), group_size_(group_size), bits_(bits), spec_(spec),
-        int8_acts_(int8_acts) {}
+        int8_acts_(int8_acts), symmetric_(symmetric) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
@@ -90,7 +93,7 @@ class QuantizedMatmul : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QuantizedMatmul&>(other);
     return group_size_ == o.group_size_ && bits_ == o.bits_ && spec_ == o.spec_ &&
-           int8_acts_ == o.int8_acts_;
+           int8_acts_ == o.int8_acts_ && symmetric_ == o.symmetric_;
   }
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
@@ -100,6 +103,7 @@ class QuantizedMatmul : public mx::Primitive {
   int bits_;
   FusedSpec spec_;
   bool int8_acts_;
+  bool symmetric_;  // no biases: the slot holds the scales again
 };
 
 // x: [..., K], w: [N, K], both float32/float16/bfloat16 (any mix).

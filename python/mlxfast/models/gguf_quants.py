@@ -82,7 +82,9 @@ def _q5_0(raw, shape):
     b = _blocks(raw, 22)
     d = _f16(b[:, 0:2])
     codes = _q5_codes(b[:, 2:6], b[:, 6:22])
-    return _affine(codes, d, -16 * d, 8, shape)
+    # d * (q - 16) == d * ((q + 112) - 128): 8-bit codes with the symmetric
+    # bias, which the loader drops (layers.drop_symmetric_biases).
+    return _affine(codes + 112, d, -128 * d, 8, shape)
 
 
 def _q5_1(raw, shape):

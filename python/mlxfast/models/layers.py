@@ -88,7 +88,7 @@ class QuantizedLinear(nn.Module):
     def __call__(self, x: mx.array, *, norm=None, act: str | None = None,
                  residual: mx.array | None = None) -> mx.array:
         norm = _norm_args(norm)
-        w, scales, biases = self["weight"], self["scales"], self["biases"]
+        w, scales, biases = self["weight"], self["scales"], self.get("biases")
         bias = self.get("bias")
         if residual is not None and (bias is not None or residual.dtype != _prologue_dtype(x, norm)):
             y = ops.quantized_matmul(x, w, scales, biases, group_size=self.group_size,
@@ -121,7 +121,8 @@ def fuse_linears(layers: list) -> "Linear | QuantizedLinear | None":
     first = layers[0]
     if any(type(layer) is not type(first) for layer in layers):
         return None
-    if any(("bias" in layer) != ("bias" in first) for layer in layers):
+    if any(("bias" in layer) != ("bias" in first) or ("biases" in layer) != ("biases" in first)
+           for layer in layers):
         return None
     names = ["weight", "bias"] if isinstance(first, Linear) else ["weight", "scales", "biases", "bias"]
     names = [n for n in names if n in first]
@@ -142,7 +143,27 @@ def fuse_linears(layers: list) -> "Linear | QuantizedLinear | None":
     else:
         return None
     fused.update({n: mx.concatenate([layer[n] for layer in layers], axis=0) for n in names})
+    if isinstance(first, QuantizedLinear) and "biases" not in first:
+        fused.pop("biases")
     return fused
+
+
+def drop_symmetric_biases(model: nn.Module) -> int:
+    """Drop the biases of every quantized layer (linear, embedding, stacked
+    experts) whose format is symmetric: every bias exactly -2^(bits-1) *
+    scale, as GGUF's Q4_0 and Q8_0 are read. The kernels compute those
+    biases instead of streaming them: at 4 bits and group size 32 a tenth
+    fewer bytes per token, and one parameter stream instead of two (see
+    ops.quantized_matmul). Returns how many layers lost their biases."""
+    dropped = 0
+    for _, layer in model.named_modules():
+        b = layer.get("biases") if hasattr(layer, "bits") and "scales" in layer else None
+        if b is None:
+            continue
+        if mx.array_equal(b, ops.symmetric_biases(layer["scales"], layer.bits)).item():
+            layer.pop("biases")
+            dropped += 1
+    return dropped
 
 
 class Embedding(nn.Module):
@@ -172,12 +193,12 @@ class QuantizedEmbedding(nn.Module):
 
     def __call__(self, ids: mx.array) -> mx.array:
         # Dequantize in float32: fp16 scales would round every element.
-        return ops.dequantize_rows(self["weight"], self["scales"], self["biases"], ids,
+        return ops.dequantize_rows(self["weight"], self["scales"], self.get("biases"), ids,
                                    group_size=self.group_size, bits=self.bits, dtype=mx.float32)
 
     def as_linear(self, x: mx.array, *, norm=None) -> mx.array:
         """``norm(x) @ dequantize(weight).T`` (tied output head, as Embedding's)."""
-        return ops.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+        return ops.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
                                     group_size=self.group_size, bits=self.bits,
                                     norm=_norm_args(norm), activations=self.activations)
 

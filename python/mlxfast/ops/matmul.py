@@ -140,6 +140,13 @@ def fake_quantize_activations_int8(x: mx.array) -> mx.array:
     return (xq * d).reshape(x.shape)
 
 
+def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
+    """The biases of a symmetric format: ``-2^(bits-1) * scales`` (exact: a
+    power of two). Layers of such formats keep no biases (see
+    ``models.layers.drop_symmetric_biases``); the references materialize them."""
+    return scales * -float(1 << (bits - 1))
+
+
 def quantized_matmul_int8_reference(x: mx.array, w: mx.array, scales: mx.array,
                                     biases: mx.array | None, *, group_size: int = 64,
                                     bits: int = 4) -> mx.array:
@@ -147,7 +154,7 @@ def quantized_matmul_int8_reference(x: mx.array, w: mx.array, scales: mx.array,
     oracle of the native int8 kernels and their fallback off the CPU).
     biases None: symmetric (bias = -2^(bits-1) * scale)."""
     if biases is None:
-        biases = scales * -float(1 << (bits - 1))
+        biases = symmetric_biases(scales, bits)
     xh = fake_quantize_activations_int8(x)
     out = mx.quantized_matmul(xh, w, scales.astype(mx.float32), biases.astype(mx.float32),
                               transpose=True, group_size=group_size, bits=bits)
@@ -177,7 +184,8 @@ def quantized_matmul_reference(
     activations: str = "fp32",
 ) -> mx.array:
     """Pure-MLX ``x @ dequantize(w).T`` (MLX affine format): ``mx.quantized_matmul``
-    (``activations="int8"``: :func:`quantized_matmul_int8_reference`).
+    (``activations="int8"``: :func:`quantized_matmul_int8_reference`). biases
+    None: symmetric, materialized as ``-2^(bits-1) * scales`` (exact).
 
     With fused pieces, the composition of their references:
     ``residual + round(prologue(x) @ dequantize(w).T)``, the product rounded
@@ -186,6 +194,8 @@ def quantized_matmul_reference(
     _check_fusion("quantized_matmul", norm, act)
     _check_activations(activations, transpose)
     x = _prologue(x, norm, act, reference=True)
+    if biases is None:
+        biases = symmetric_biases(scales, bits)
     if activations == "int8":
         out = quantized_matmul_int8_reference(x, w, scales, biases, group_size=group_size,
                                               bits=bits)
@@ -220,7 +230,9 @@ def quantized_matmul(
     x: [..., K] float32/float16/bfloat16; w: [N, K * bits / 32] uint32 (values
     packed LSB-first); scales, biases: [N, K / group_size], float32/float16/
     bfloat16 (same dtype as each other, not necessarily x's — GGUF weights
-    keep float16 scales with float32 activations). bits: 2, 3, 4, 5, 6 or 8
+    keep float16 scales with float32 activations); biases None for a
+    symmetric format (every bias ``-2^(bits-1) * scale``: GGUF's Q4_0 and
+    Q8_0), which the kernels compute instead of reading. bits: 2, 3, 4, 5, 6 or 8
     (SIMD kernels for 4 and 8); group_size: 32, 64 or 128. Returns [..., N]
     in x's dtype (``mx.quantized_matmul`` would promote fp16 x with fp32
     scales to fp32), accumulated in float32.
@@ -241,8 +253,6 @@ def quantized_matmul(
 
     Bad shapes/dtypes raise ``ValueError``.
     """
-    if biases is None:
-        raise ValueError("[mlxfast.quantized_matmul] biases are required (affine quantization).")
     _check_fusion("quantized_matmul", norm, act)
     _check_activations(activations, transpose)
     if transpose and dispatch.on_cpu(stream):
@@ -265,14 +275,17 @@ def quantized_matmul(
 def dequantize_rows_reference(
     w: mx.array,
     scales: mx.array,
-    biases: mx.array,
+    biases: mx.array | None,
     ids: mx.array,
     *,
     group_size: int = 64,
     bits: int = 4,
     dtype=None,
 ) -> mx.array:
-    """Pure-MLX :func:`dequantize_rows`: gather the packed rows, dequantize in float32."""
+    """Pure-MLX :func:`dequantize_rows`: gather the packed rows, dequantize in
+    float32 (biases None: symmetric, as for :func:`quantized_matmul`)."""
+    if biases is None:
+        biases = symmetric_biases(scales, bits)
     out = mx.dequantize(w[ids], scales[ids].astype(mx.float32), biases[ids].astype(mx.float32),
                         group_size=group_size, bits=bits)
     dtype = scales.dtype if dtype is None else dtype
@@ -282,7 +295,7 @@ def dequantize_rows_reference(
 def dequantize_rows(
     w: mx.array,
     scales: mx.array,
-    biases: mx.array,
+    biases: mx.array | None,
     ids: mx.array,
     *,
     group_size: int = 64,
@@ -292,7 +305,8 @@ def dequantize_rows(
 ) -> mx.array:
     """Quantized embedding lookup: rows ``ids`` of ``dequantize(w, scales, biases)``.
 
-    w: [V, D * bits / 32] uint32; scales, biases: [V, D / group_size];
+    w: [V, D * bits / 32] uint32; scales, biases: [V, D / group_size] (biases
+    None: symmetric);
     ids: integer array of any shape. Returns [*ids.shape, D] in ``dtype``
     (default: scales' dtype), computed in float32 (fp16 scales would round
     every element) and rounded once. Only the looked-up rows are dequantized:

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .. import _ext
 from . import dispatch
+from .matmul import symmetric_biases
 from .norm_rope import rms_norm, rms_norm_reference
 
 
@@ -107,8 +108,8 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, u
 
     def proj(h, p):
         w, s, b = _weights(p)
-        if s is not None and b is None:  # symmetric: bias = -2^(bits-1) * scale
-            b = s * -(2 ** (bits - 1))
+        if s is not None and b is None:
+            b = symmetric_biases(s, bits)
         if s is None:
             if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
                 # MLX's CPU gather_mm takes float32 only: compute in float32,
