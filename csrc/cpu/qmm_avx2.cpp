@@ -57,12 +57,16 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MM; ++m) acc[r][m] = acc2[r][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    if ((g & 3) == 0) c.next->step();
     for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
       const float* xc = xp + k0 * MM;
+      const bool line = ((k0 * BITS / 8) & 63) == 0;  // one prefetch per line (qmm_avx512.cpp)
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes +
-                                                   k0 * BITS / 8),
-                     _MM_HINT_T0);
+        if (line) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes +
+                                                     k0 * BITS / 8),
+                       _MM_HINT_T0);
+        }
         const __m256 s = _mm256_broadcast_ss(sc + r * G + g);
         const __m256 b = _mm256_broadcast_ss(bi + r * G + g);
         __m256 v[4];

@@ -42,6 +42,7 @@ struct Int8Ctx {
   const float* sxb;  // [M][Bp] d * sum(xq) of each block (0 past K / 32)
   int64_t G, row_bytes, Kp, nl, Bp;
   __mmask64 tail;  // the weight bytes of a row's last chunk
+  ParamPrefetch* next = nullptr;  // per row block: the next one's parameters
 };
 
 template <int BITS>
@@ -163,6 +164,7 @@ __attribute__((always_inline)) inline void tile(const Int8Ctx& c, int64_t m0, in
   const int8_t* xq = c.xq + m0 * c.Kp;
   const float* dl = c.dl + m0 * c.nl;
   for (int64_t ch = 0; ch < nch; ++ch) {
+    c.next->step();
     const __mmask64 wm = ch + 1 < nch ? ~0ull : tail;
     const int64_t g0 = ch * VPC / GS;
     const __mmask16 gm = tail_mask(G - g0);
@@ -243,13 +245,15 @@ void rows(const Int8Ctx& c, int64_t m0, int mm, int64_t n0, int64_t n1, const fl
 
 // Output rows [m_begin, m_end), columns [n0, n1) (at most kGemvRowBlock).
 template <int BITS>
-void unit(const Int8Ctx& c, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1) {
+void unit(const Int8Ctx& shared, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1) {
+  Int8Ctx c = shared;
   const Args& a = *c.a;
   const int64_t G = c.G;
   float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
   float* sc = sb;
   float* bi = sb + kGemvRowBlock * G;
-  prefetch_group_params(a, n1, kGemvRowBlock, G);
+  ParamPrefetch next = next_params(a, n1, kGemvRowBlock, G);
+  c.next = &next;  // this thread's copy of the context
   cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
   if (a.biases) {
     cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);

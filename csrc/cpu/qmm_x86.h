@@ -15,7 +15,8 @@
 //   cvt_row(src, dt, off, n, dst)        n values from src + off to fp32
 //   prepare_x(a, xp)                     a.x into the layout its GEMV reads
 //   gemv_rows<BITS, MM>(c, m0, n0, n1, sc, bi)
-//                                        rows m0 .. m0+MM-1, columns [n0, n1)
+//                                        rows m0 .. m0+MM-1, columns [n0, n1);
+//                                        its tiles step c.next every 4 groups
 //   dequant_panel<BITS>(a, n0, kb, ke, bp, sb)
 //                                        weight rows n0 .. n0+kNR-1 as bp[k][kNR]
 #pragma once
@@ -40,6 +41,7 @@ struct GemvCtx {
   const Args* a;
   const float* xp;  // prepared activations (see the Isa's prepare_x)
   int64_t G, row_bytes;
+  ParamPrefetch* next;  // the next row block's parameters (tiles step it)
 };
 
 constexpr int64_t kKC = 256;                 // k block of the GEMM panels
@@ -91,11 +93,11 @@ struct Driver {
   static void gemv_unit(const Args& a, const float* xp, int64_t n0, int64_t n1) {
     const bool dense = a.bits == 0;
     const int64_t M = a.M, K = a.K, G = dense ? 0 : K / a.group_size;
-    GemvCtx c{&a, xp, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8};
+    ParamPrefetch next = next_params(a, n1, kGemvRowBlock, G);
+    GemvCtx c{&a, xp, G, dense ? K * dtype_size(a.w_dtype) : K * a.bits / 8, &next};
     float* sb = tl_w.get(static_cast<size_t>(2 * kGemvRowBlock * G + 1));
     float* sc = sb;
     float* bi = sb + kGemvRowBlock * G;
-    prefetch_group_params(a, n1, kGemvRowBlock, G);
     if (!dense) {
       Isa::cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
       if (a.biases) {
