@@ -227,6 +227,10 @@ def test_symmetric_weights_without_biases(path, bits, gs, M):
     want = ops.quantized_matmul(x, wq, s, b, group_size=gs, bits=bits)
     assert mx.array_equal(got, want)
     check(x, wq, s, b, gs, bits)
+    if M <= 16:  # GEMV rows: alone (the one-row symmetric tile) as in the batch
+        for i in {0, M - 1}:
+            alone = ops.quantized_matmul(x[i:i + 1], wq, s, None, group_size=gs, bits=bits)
+            assert mx.array_equal(alone[0], got[i])
     ref = ops.quantized_matmul_reference(x, wq, s, None, group_size=gs, bits=bits)
     assert mx.array_equal(ref, ops.quantized_matmul_reference(x, wq, s, b, group_size=gs, bits=bits))
     ids = mx.array([[0, 36], [5, 5]])

@@ -138,6 +138,7 @@ inline void gemv_tile_dense(const GemvCtx& c, int64_t m0, int64_t n, float* yb) 
 // The kernels Driver<Avx2> runs (see qmm_x86.h).
 struct Avx2 {
   static constexpr int kGemvMaxMM = 4;
+  static constexpr bool kSymmetricOneRow = false;
   static constexpr int kMR = 6;
   static constexpr int kNR = 16;
 

@@ -70,7 +70,13 @@ inline void unpack32(const uint8_t* row, int64_t k0, __m512 lut, __m512& lo, __m
 // Always inlined into its row loop: left to GCC, the one- and two-row tiles
 // became calls once the driver (qmm_x86.h) inlined the loops into its
 // dispatch, and one-row decode GEMVs ran ~7% slower.
-template <int BITS, int MM, int R, int CPG>
+//
+// SYM (one activation row, biases == nullptr): the bias is -2^(bits-1) *
+// scale, so the table is (i - 8) * scale and the 8-bit bias scale * -128,
+// computed instead of loaded: one load and one pointer per weight row
+// fewer. The same numbers: fma(i, s, -8s) and (i - 8) * s both round the
+// exact (i - 8) * s once.
+template <int BITS, int MM, int R, int CPG, bool SYM = false>
 __attribute__((always_inline)) inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n,
                                                      const float* sc, const float* bi,
                                                      float* yb) {
@@ -78,6 +84,8 @@ __attribute__((always_inline)) inline void gemv_tile(const GemvCtx& c, int64_t m
   const int64_t G = c.G;
   const float* xc = c.xp + m0 * a.K;  // [K / 32][MM][32]: see prepare_x
   const __m512 lut = lut16();
+  const __m512 lut_sym = _mm512_sub_ps(lut, _mm512_set1_ps(8.0f));
+  const __m512 neg128 = _mm512_set1_ps(-128.0f);
   __m512 acc[R][MM];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -93,8 +101,16 @@ __attribute__((always_inline)) inline void gemv_tile(const GemvCtx& c, int64_t m
     __m512 s[R], b[R];
     for (int r = 0; r < R; ++r) {
       s[r] = _mm512_set1_ps(sc[r * G + g]);
-      b[r] = _mm512_set1_ps(bi[r * G + g]);
-      if (BITS == 4) s[r] = _mm512_fmadd_ps(lut, s[r], b[r]);
+      if constexpr (SYM) {
+        if (BITS == 4) {
+          s[r] = _mm512_mul_ps(lut_sym, s[r]);
+        } else {
+          b[r] = _mm512_mul_ps(s[r], neg128);
+        }
+      } else {
+        b[r] = _mm512_set1_ps(bi[r * G + g]);
+        if (BITS == 4) s[r] = _mm512_fmadd_ps(lut, s[r], b[r]);
+      }
     }
     // CPG (chunks of 32 per group) is a compile-time count: at group size 32
     // a run-time inner loop cost a fifth of the tile's time in loop setup.
@@ -161,7 +177,7 @@ inline void gemv_tile_dense(const GemvCtx& c, int64_t m0, int64_t n, float* yb) 
 
 // Rows m0 .. m0+MM-1, columns [n0, n1): tiles of R weight rows, then one
 // store per activation row.
-template <int BITS, int MM, int CPG>
+template <int BITS, int MM, int CPG, bool SYM = false>
 void gemv_tiles(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
                 const float* bi) {
   // Weight rows per tile: each activation vector loaded serves R rows.
@@ -174,10 +190,12 @@ void gemv_tiles(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const floa
     for (; n < n1; ++n) gemv_tile_dense<MM, 1>(c, m0, n, yb + (n - n0));
   } else {
     for (; n + R <= n1; n += R) {
-      gemv_tile<BITS, MM, R, CPG>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+      gemv_tile<BITS, MM, R, CPG, SYM>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G,
+                                       yb + (n - n0));
     }
     for (; n < n1; ++n) {
-      gemv_tile<BITS, MM, 1, CPG>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G, yb + (n - n0));
+      gemv_tile<BITS, MM, 1, CPG, SYM>(c, m0, n, sc + (n - n0) * G, bi + (n - n0) * G,
+                                       yb + (n - n0));
     }
   }
   const __mmask16 mk = tail_mask(n1 - n0);
@@ -190,6 +208,7 @@ void gemv_tiles(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const floa
 // The kernels Driver<Avx512> runs (see qmm_x86.h).
 struct Avx512 {
   static constexpr int kGemvMaxMM = 8;
+  static constexpr bool kSymmetricOneRow = true;
   static constexpr int kMR = 12;
   static constexpr int kNR = 32;
 
@@ -226,10 +245,20 @@ struct Avx512 {
     if constexpr (BITS == 0) {
       gemv_tiles<0, MM, 0>(c, m0, n0, n1, sc, bi);
     } else {
+      const bool sym = MM == 1 && c.a->biases == nullptr;  // see gemv_tile
       switch (c.a->group_size) {
-        case 32: gemv_tiles<BITS, MM, 1>(c, m0, n0, n1, sc, bi); break;
-        case 64: gemv_tiles<BITS, MM, 2>(c, m0, n0, n1, sc, bi); break;
-        default: gemv_tiles<BITS, MM, 4>(c, m0, n0, n1, sc, bi); break;
+        case 32:
+          sym ? gemv_tiles<BITS, MM, 1, MM == 1>(c, m0, n0, n1, sc, bi)
+              : gemv_tiles<BITS, MM, 1>(c, m0, n0, n1, sc, bi);
+          break;
+        case 64:
+          sym ? gemv_tiles<BITS, MM, 2, MM == 1>(c, m0, n0, n1, sc, bi)
+              : gemv_tiles<BITS, MM, 2>(c, m0, n0, n1, sc, bi);
+          break;
+        default:
+          sym ? gemv_tiles<BITS, MM, 4, MM == 1>(c, m0, n0, n1, sc, bi)
+              : gemv_tiles<BITS, MM, 4>(c, m0, n0, n1, sc, bi);
+          break;
       }
     }
   }

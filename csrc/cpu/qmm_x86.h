@@ -7,6 +7,7 @@
 //
 // An Isa struct has:
 //   kGemvMaxMM        activation rows per GEMV register block
+//   kSymmetricOneRow  its one-row GEMV computes symmetric biases itself
 //   kMR, kNR          the GEMM micro-tile, kNR = 2 * kLanes
 //   Vec, kLanes       the fp32 vector and its width, with vzero, vload and
 //                     vstore (aligned), vstoreu, vbroadcast(const float*),
@@ -102,7 +103,7 @@ struct Driver {
       Isa::cvt_row(a.scales, a.s_dtype, n0 * G, (n1 - n0) * G, sc);
       if (a.biases) {
         Isa::cvt_row(a.biases, a.s_dtype, n0 * G, (n1 - n0) * G, bi);
-      } else {
+      } else if (M > 1 || !Isa::kSymmetricOneRow) {
         sym_biases(sc, (n1 - n0) * G, a.bits, bi);
       }
     }
