@@ -28,6 +28,9 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+#include "cpu/reduce_avx512.h"
+#endif
 
 namespace mlxfast {
 namespace kvq {
@@ -218,6 +221,18 @@ inline __m256i codes8(const uint8_t* p, int bits, int j) {
 inline void decode_affine(const uint8_t* part, int D, int bits, int g, float* out, uint8_t* codes) {
   const uint8_t* sp = part + D * bits / 8;
   const uint8_t* bp = sp + 2 * (D / g);
+#if defined(__AVX512F__)
+  if (bits == 8 && g % 16 == 0) {  // 16 codes a step: one load, convert, FMA
+    for (int gi = 0; gi < D / g; ++gi) {
+      const __m512 s = _mm512_set1_ps(rd_f16(sp + 2 * gi)), b = _mm512_set1_ps(rd_f16(bp + 2 * gi));
+      for (int j = gi * g / 16; j < (gi + 1) * g / 16; ++j) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(part + 16 * j)));
+        _mm512_storeu_ps(out + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), s, b));
+      }
+    }
+    return;
+  }
+#endif
 #if defined(__AVX2__)
   (void)codes;
   for (int gi = 0; gi < D / g; ++gi) {
@@ -332,6 +347,63 @@ inline float dotw(const float* a, const float* b, int n) {
   for (int w = W / 2; w >= 1; w /= 2)
     for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
   return acc[0];
+}
+
+#if defined(__AVX512F__)
+// Scores of keys k0 .. k0+15 of a decoded block (rows of kb, D floats each;
+// rows past nk read as 0) against one query row, as one vector: 16 partial
+// sums reduced together. One horizontal reduction per key (dotw) was the
+// quantized decode's hottest loop (~15% of its samples, through the stack).
+// D is a compile-time count so the 16 keys' FMA chains unroll and interleave
+// (a run-time D loop left one chain waiting on each FMA's latency).
+template <int D>
+inline __m512 scores16(const float* q, const float* kb, int nk) {
+  __m512 part[16];
+  for (int k = 0; k < 16; ++k) {
+    __m512 p = _mm512_setzero_ps();
+    if (k < nk) {
+      for (int d = 0; d < D; d += 16)
+        p = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kb + k * D + d), p);
+    }
+    part[k] = p;
+  }
+  return reduce16x16(part);
+}
+
+inline __m512 scores16(const float* q, const float* kb, int D, int nk) {
+  switch (D) {
+    case 64: return scores16<64>(q, kb, nk);
+    case 128: return scores16<128>(q, kb, nk);
+    case 256: return scores16<256>(q, kb, nk);
+    default: {
+      __m512 part[16];
+      for (int k = 0; k < 16; ++k) {
+        __m512 p = _mm512_setzero_ps();
+        for (int d = 0; k < nk && d < D; d += 16)
+          p = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kb + k * D + d), p);
+        part[k] = p;
+      }
+      return reduce16x16(part);
+    }
+  }
+}
+#endif
+
+// acc[0 .. DC) += sum over the block's keys of p[i] * v[i] (keys in order:
+// the same sums as one key at a time). DC compile-time: the DC / W
+// accumulator vectors stay in registers and their chains interleave; one
+// vector at a time over all keys waited on each FMA (the decode's second
+// hottest loop).
+template <int DC>
+inline void pv_accumulate(float* acc, const float* p, const float* v, int nk) {
+  float a[DC];
+  for (int d = 0; d < DC; ++d) a[d] = acc[d];
+  for (int i = 0; i < nk; ++i) {
+    const float pi = p[i];
+    const float* vr = v + static_cast<size_t>(i) * DC;
+    for (int d = 0; d < DC; ++d) a[d] += pi * vr[d];
+  }
+  for (int d = 0; d < DC; ++d) acc[d] = a[d];
 }
 
 template <int W>
@@ -485,6 +557,22 @@ struct Kernels {
             const int r = j * G + g;
             const float* qr = qf + static_cast<size_t>(r) * D;
             float* sr = sc + static_cast<size_t>(r) * bs;
+#if defined(__AVX512F__)
+            if constexpr (W == 16) {  // D % 16 == 0 here (see attention)
+              const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                     13, 14, 15);
+              for (int i0 = 0; i0 < nk; i0 += 16) {
+                const int nv = nk - i0 < 16 ? nk - i0 : 16;
+                const __mmask16 in = static_cast<__mmask16>((1u << nv) - 1u);
+                const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + i0)));
+                __mmask16 ok = _mm512_mask_cmple_epi32_mask(in, key, _mm512_set1_epi32(static_cast<int>(qpos[j])));
+                ok = _mm512_mask_cmpge_epi32_mask(ok, key, _mm512_set1_epi32(static_cast<int>(qlo[j])));
+                const __m512 s16 = scores16(qr, kblk + static_cast<size_t>(i0) * D, D, nv);
+                _mm512_mask_storeu_ps(sr + i0, in, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, s16));
+              }
+              continue;
+            }
+#endif
             for (int i = 0; i < nk; ++i)
               sr[i] = (key0 + i <= qpos[j]) & (key0 + i >= qlo[j])
                           ? dotw<W>(qr, kblk + static_cast<size_t>(i) * D, D)
@@ -521,6 +609,14 @@ struct Kernels {
           pr[D] = mn;
         }
         pr[D + 1] += sum;
+        if (D == 64) {
+          pv_accumulate<64>(pr, sr, vblk, nk);
+          continue;
+        }
+        if (D == 128) {
+          pv_accumulate<128>(pr, sr, vblk, nk);
+          continue;
+        }
         for (int c0 = 0; c0 < D; c0 += W) {  // one register of acc over the block's keys
           float av[W];
           for (int u = 0; u < W; ++u) av[u] = pr[c0 + u];

@@ -19,6 +19,7 @@
 
 #include "common/scratch.h"
 #include "cpu/paged_attention.h"
+#include "cpu/reduce_avx512.h"
 #include "cpu/vec_exp.h"
 
 namespace mlxfast {
@@ -65,25 +66,6 @@ inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const
       _mm512_store_ps(S + j * Rp + (c0 + c) * 16, _mm512_mask_mov_ps(acc[j][c], out, ninf));
     }
   }
-}
-
-// Lane k of the result = sum of the 16 lanes of v[k].
-inline __m512 reduce16x16(__m512 v[16]) {
-  __m512 t[8], u[4], z[2];
-  for (int i = 0; i < 8; ++i) {
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; ++i) {
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // One block's keys inside a decode span: their first slot, how many, and
