@@ -31,7 +31,8 @@ def group():
     return mx.distributed.init()  # not launched: a singleton group (all_sum = identity)
 
 
-@pytest.fixture(scope="module", params=["llama-f32", "qwen2-bias", "llama-q4", "phi3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama-f32", "qwen2-bias", "llama-q4", "llama-q4-symmetric",
+                                        "phi3", "gemma3"])
 def tiny(request, tmp_path_factory):
     kind = request.param
     out = tmp_path_factory.mktemp("tp") / kind
@@ -41,6 +42,12 @@ def tiny(request, tmp_path_factory):
         return make_tiny_model(out, "qwen2", **TP_MODEL)
     if kind == "llama-q4":
         return make_tiny_model(out, "mistral", quantize={"group_size": 64, "bits": 4}, **TP_MODEL)
+    if kind == "llama-q4-symmetric":  # every bias -8 * scale (as GGUF's Q4_0): loaded without biases
+        path = make_tiny_model(out, "mistral", quantize={"group_size": 64, "bits": 4}, **TP_MODEL)
+        w = mx.load(str(path / "model.safetensors"))
+        w.update({k: w[k[:-len("biases")] + "scales"] * -8 for k in w if k.endswith(".biases")})
+        mx.save_safetensors(str(path / "model.safetensors"), w, metadata={"format": "mlx"})
+        return path
     if kind == "gemma3":  # q/k norms, GELU MLP without a residual (a norm follows it), sliding layers
         return make_tiny_model(out, "gemma3_text", **TP_MODEL)
     return make_tiny_model(out, "phi3", **TP_MODEL)
@@ -70,6 +77,9 @@ def test_partial_products_add_up_to_the_whole_layer(tiny, group, size):
         shard, _ = load(tiny)
         info = shard_model(shard, group, rank=r, size=size)
         assert info.rank == r and info.size == size
+        quantized = [m for _, m in shard.named_modules() if isinstance(m, QuantizedLinear)]
+        if tiny.name == "llama-q4-symmetric":  # the shards keep the full layers' lack of biases
+            assert quantized and not any("biases" in m for m in quantized)
         assert shard.args.num_attention_heads == 8 // size
         assert {kv.n_kv_heads for kv in shard.kv_layers} == {4 // size}
         parts.append([_attn_and_mlp(shard, i, x) for i in range(len(shard.layers))])
