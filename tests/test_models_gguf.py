@@ -50,6 +50,10 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, qtype, tied):
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv, QuantizedLinear) and qkv.group_size == 32
         assert qkv.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
+        # Symmetric formats (bias = -2^(bits-1) * scale) are loaded without
+        # biases, the embedding and the head too; Q4_1 / Q5_1 keep theirs.
+        layers = [m for _, m in model.named_modules() if hasattr(m, "bits") and "scales" in m]
+        assert layers and all(("biases" in m) == (qtype in (Q.Q4_1, Q.Q5_1)) for m in layers)
     got = model(TOKENS, DenseKVCache(len(model.layers)))
     want = ref(TOKENS)
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
