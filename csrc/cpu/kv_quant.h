@@ -281,6 +281,18 @@ inline void decode_turbo_rot(const uint8_t* part, const Fmt& f, const float* cb,
                              uint8_t* codes) {
   float w;
   std::memcpy(&w, part + f.vcode, 4);
+#if defined(__AVX512F__)
+  if (f.D % 16 == 0) {  // 16 codes a step, one 16-entry lookup (vbits <= 4)
+    const __m512 tab = _mm512_loadu_ps(cb);  // cb is padded to 16 entries
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int j = 0; j < f.D / 16; ++j) {
+      const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(codes8(part, f.vbits, 2 * j)),
+                                           codes8(part, f.vbits, 2 * j + 1), 1);
+      _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(_mm512_permutexvar_ps(c, tab), wv));
+    }
+    return;
+  }
+#endif
 #if defined(__AVX2__)
   (void)codes;
   const __m256 lo = _mm256_loadu_ps(cb);  // cb is padded to 16 entries
