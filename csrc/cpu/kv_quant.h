@@ -366,16 +366,18 @@ inline float dotw(const float* a, const float* b, int n) {
 // rows past nk read as 0) against one query row, as one vector: 16 partial
 // sums reduced together. One horizontal reduction per key (dotw) was the
 // quantized decode's hottest loop (~15% of its samples, through the stack).
-// D is a compile-time count so the 16 keys' FMA chains unroll and interleave
-// (a run-time D loop left one chain waiting on each FMA's latency).
-template <int D>
-inline __m512 scores16(const float* q, const float* kb, int nk) {
+// DC, the head dim, is a compile-time count where it can be (0: D at run
+// time) so the 16 keys' FMA chains unroll and interleave (a run-time loop
+// left one chain waiting on each FMA's latency).
+template <int DC>
+inline __m512 scores16(const float* q, const float* kb, int D, int nk) {
+  const int dn = DC ? DC : D;
   __m512 part[16];
   for (int k = 0; k < 16; ++k) {
     __m512 p = _mm512_setzero_ps();
     if (k < nk) {
-      for (int d = 0; d < D; d += 16)
-        p = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kb + k * D + d), p);
+      for (int d = 0; d < dn; d += 16)
+        p = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kb + k * dn + d), p);
     }
     part[k] = p;
   }
@@ -384,19 +386,10 @@ inline __m512 scores16(const float* q, const float* kb, int nk) {
 
 inline __m512 scores16(const float* q, const float* kb, int D, int nk) {
   switch (D) {
-    case 64: return scores16<64>(q, kb, nk);
-    case 128: return scores16<128>(q, kb, nk);
-    case 256: return scores16<256>(q, kb, nk);
-    default: {
-      __m512 part[16];
-      for (int k = 0; k < 16; ++k) {
-        __m512 p = _mm512_setzero_ps();
-        for (int d = 0; k < nk && d < D; d += 16)
-          p = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kb + k * D + d), p);
-        part[k] = p;
-      }
-      return reduce16x16(part);
-    }
+    case 64: return scores16<64>(q, kb, D, nk);
+    case 128: return scores16<128>(q, kb, D, nk);
+    case 256: return scores16<256>(q, kb, D, nk);
+    default: return scores16<0>(q, kb, D, nk);
   }
 }
 #endif

@@ -229,8 +229,8 @@ inline void prefetch_bytes(const void* p, int64_t off, int64_t bytes) {
 // line at a time from inside the current block's tiles (step() every few
 // groups) rather than in one burst at the block's start. The burst filled
 // the load queue; its prefetches and the conversion's misses were ~14% of a
-// Llama-1B-shaped Q4_0 decode's samples (~35% while that model's Q4_0 kept
-// biases), and pacing them made that decode ~3% faster (medians of 12
+// Llama-1B-shaped Q4_0 decode's samples (the conversion alone ~28% while
+// that model's Q4_0 kept biases), and pacing them made that decode ~3% faster (medians of 12
 // alternating rounds; the default model's decode did not change).
 struct ParamPrefetch {
   const char* s = nullptr;    // next scale line

@@ -205,6 +205,17 @@ void gemv_tiles(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const floa
   }
 }
 
+// gemv_tiles, with the one-row symmetric tile where it applies (see gemv_tile).
+template <int BITS, int MM, int CPG>
+void gemv_tiles_sym(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const float* sc,
+                    const float* bi) {
+  if (MM == 1 && c.a->biases == nullptr) {
+    gemv_tiles<BITS, MM, CPG, MM == 1>(c, m0, n0, n1, sc, bi);
+  } else {
+    gemv_tiles<BITS, MM, CPG>(c, m0, n0, n1, sc, bi);
+  }
+}
+
 // The kernels Driver<Avx512> runs (see qmm_x86.h).
 struct Avx512 {
   static constexpr int kGemvMaxMM = 8;
@@ -245,20 +256,10 @@ struct Avx512 {
     if constexpr (BITS == 0) {
       gemv_tiles<0, MM, 0>(c, m0, n0, n1, sc, bi);
     } else {
-      const bool sym = MM == 1 && c.a->biases == nullptr;  // see gemv_tile
       switch (c.a->group_size) {
-        case 32:
-          sym ? gemv_tiles<BITS, MM, 1, MM == 1>(c, m0, n0, n1, sc, bi)
-              : gemv_tiles<BITS, MM, 1>(c, m0, n0, n1, sc, bi);
-          break;
-        case 64:
-          sym ? gemv_tiles<BITS, MM, 2, MM == 1>(c, m0, n0, n1, sc, bi)
-              : gemv_tiles<BITS, MM, 2>(c, m0, n0, n1, sc, bi);
-          break;
-        default:
-          sym ? gemv_tiles<BITS, MM, 4, MM == 1>(c, m0, n0, n1, sc, bi)
-              : gemv_tiles<BITS, MM, 4>(c, m0, n0, n1, sc, bi);
-          break;
+        case 32: gemv_tiles_sym<BITS, MM, 1>(c, m0, n0, n1, sc, bi); break;
+        case 64: gemv_tiles_sym<BITS, MM, 2>(c, m0, n0, n1, sc, bi); break;
+        default: gemv_tiles_sym<BITS, MM, 4>(c, m0, n0, n1, sc, bi); break;
       }
     }
   }
