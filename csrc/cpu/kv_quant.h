@@ -97,6 +97,14 @@ struct AttnArgs {
   Fmt f;
 };
 
+// An ISA file may take over a work item (query tokens t0..t1 of one
+// sequence, kv head kh, key blocks [b0, b1)) with a faster kernel: it writes
+// the item's partial state to part ([rows][D + 2]: unnormalised acc, m, l;
+// see Kernels::run_item) and returns true, or returns false to leave the item
+// to the generic kernel.
+using DecodeFn = bool (*)(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
+                          float* part);
+
 void encode_portable(const EncodeArgs& a);
 void dequant_portable(const DequantArgs& a);
 void attention_portable(const AttnArgs& a);
@@ -479,6 +487,7 @@ struct Kernels {
     const int64_t* bucket;    // [n_buckets + 1] offsets into order
     float* parts;             // partials: per item rows * (D + 2)
     const int64_t* first_item;  // [n_tiles * Hkv + 1]: items of (tile, kh) are contiguous
+    DecodeFn fast;              // the ISA file's kernel for the items it takes, or null
   };
 
   static void run_item(const Ctx& c, const Item& it, float* scratch) {
@@ -486,6 +495,7 @@ struct Kernels {
     const Fmt& f = a.f;
     const int D = f.D, bs = a.bs, G = a.Hq / a.Hkv;
     const int64_t t0 = c.tiles[it.tile], t1 = c.tiles[it.tile + 1];
+    if (c.fast && c.fast(a, t0, t1, it.kh, it.b0, it.b1, c.parts + it.part)) return;
     const int nq = static_cast<int>(t1 - t0), rows = nq * G;
     float* qf = scratch;                                   // [rows, D]
     float* kblk = qf + static_cast<size_t>(rows) * D;      // [bs, D]
@@ -686,9 +696,9 @@ struct Kernels {
     }
   }
 
-  static void attention(const AttnArgs& a) {
+  static void attention(const AttnArgs& a, DecodeFn fast = nullptr) {
     if (a.f.D % W != 0) {  // the inner loops step W floats at a time
-      Kernels<4>::attention(a);
+      Kernels<4>::attention(a, fast);
       return;
     }
     const int G = a.Hq / a.Hkv, D = a.f.D, bs = a.bs;
@@ -745,38 +755,43 @@ struct Kernels {
       }
     }
     first[nt * a.Hkv] = k;
-    // Buckets: longest-processing-time-first over threads, each bucket one
-    // contiguous run of `order` (parallel_for hands out contiguous ranges).
+    // Buckets: one contiguous run of `order` per thread (parallel_for hands
+    // out contiguous ranges), cut where the running cost passes each
+    // thread's share. `order` visits a tile's chunks in key order with the
+    // kv heads of one chunk together: the heads' packed rows share cache
+    // lines (a slot holds all heads' rows), so the thread that reads one
+    // head's keys finds the next head's in its cache instead of a second
+    // thread fetching the same lines again.
     const int nbk = threads;
     int64_t* order = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (n_items + 1)));
     int64_t* bucket = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (nbk + 1)));
-    int32_t* owner = static_cast<int32_t*>(std::malloc(sizeof(int32_t) * (n_items + 1)));
-    double* load = static_cast<double*>(std::malloc(sizeof(double) * nbk));
-    for (int i = 0; i < nbk; ++i) load[i] = 0;
-    // items are roughly equal-sized chunks; visit in decreasing cost order by a simple pass:
-    // chunks are at most `chunk` blocks, so a greedy least-loaded assignment suffices.
-    for (int64_t i = 0; i < n_items; ++i) {
+    auto cost = [&](int64_t i) {
       const Item& it = items[i];
-      const double cost = (it.b1 - it.b0 + 1.0) * (tiles[it.tile + 1] - tiles[it.tile] + 2.0);
-      int best = 0;
-      for (int t = 1; t < nbk; ++t) best = load[t] < load[best] ? t : best;
-      load[best] += cost;
-      owner[i] = best;
-    }
+      return (it.b1 - it.b0 + 1.0) * (tiles[it.tile + 1] - tiles[it.tile] + 2.0);
+    };
+    double total = 0;
     k = 0;
-    for (int t = 0; t < nbk; ++t) {
-      bucket[t] = k;
-      for (int64_t i = 0; i < n_items; ++i)
-        if (owner[i] == t) order[k++] = i;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t nc = (first[i * a.Hkv + 1] - first[i * a.Hkv]);
+      for (int64_t ci = 0; ci < nc; ++ci)
+        for (int kh = 0; kh < a.Hkv; ++kh) {
+          order[k] = first[i * a.Hkv + kh] + ci;
+          total += cost(order[k++]);
+        }
     }
-    bucket[nbk] = k;
+    int t = 0;
+    double run = 0;
+    bucket[0] = 0;
+    for (int64_t i = 0; i < n_items; ++i) {
+      run += cost(order[i]);
+      while (t + 1 < nbk && run >= total * (t + 1) / nbk) bucket[++t] = i + 1;
+    }
+    while (t + 1 <= nbk) bucket[++t] = n_items;
     float* parts = static_cast<float*>(std::malloc(sizeof(float) * (off > 0 ? off : 1)));
-    Ctx c{&a, tiles, items, order, bucket, parts, first};
+    Ctx c{&a, tiles, items, order, bucket, parts, first, fast};
     parallel_for(nbk, 1, &Kernels::run_bucket, &c);
     parallel_for(nt * a.Hkv, 4, &Kernels::merge_range, &c);
     std::free(parts);
-    std::free(load);
-    std::free(owner);
     std::free(bucket);
     std::free(order);
     std::free(first);
