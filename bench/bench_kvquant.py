@@ -1,12 +1,15 @@
 """Quantized-KV benchmark on the default model, from one run: single-stream
 decode tok/s at 1,000 / 4,000 / 8,000 tokens of context and the KV bytes per
-token of each scheme, then perplexity per scheme over the test document.
+token of each scheme, aggregate decode tok/s of ``--streams`` concurrent
+streams (8 by default) at the longest context, then perplexity per scheme
+over the test document.
 
     .venv/bin/python bench/bench_kvquant.py [--model PATH] [--contexts 1000,4000,8000]
-        [--schemes off,8,4,turbo:k8v4,turbo] [--decode 24] [--no-ppl] [--kernel]
+        [--schemes off,8,4,turbo:k8v4,turbo] [--decode 24] [--streams 8] [--no-ppl] [--kernel]
 
-Targets (8,000 tokens): ``8`` decodes >= 1.3x faster than ``off``; ``turbo``
-(k8v3) at least as fast as ``off``; k8v3 KV >= 2.5x smaller than fp16 KV.
+Targets (8,000 tokens, 1 and 8 streams): ``8`` decodes >= 1.3x faster than
+``off``; ``turbo`` (k8v3) at least as fast as ``off``; k8v3 KV >= 2.5x
+smaller than fp16 KV.
 ``--kernel`` adds a per-layer attention micro-benchmark (decode and a
 512-token prefill chunk: fused kernel vs dequantize + dense kernel).
 """
@@ -44,6 +47,29 @@ def decode_rate(engine, prompt, n):
     s = asyncio.run(main())
     gaps = np.diff(s[1:])  # skip the first token (prefill)
     return 1.0 / float(np.median(gaps))
+
+
+def aggregate_rate(engine, prompts, n):
+    """Decode tok/s of len(prompts) concurrent streams: tokens emitted while
+    every stream is decoding (after the last one's first token, before the
+    first one's last) over that time."""
+    async def one(prompt, stamps, n_tokens):
+        req = Request(prompt, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True))
+        async for ev in engine.submit(req):
+            if isinstance(ev, TokenEvent):
+                stamps.append(time.perf_counter())
+
+    async def main(n_tokens):
+        stamps = [[] for _ in prompts]
+        await asyncio.gather(*(one(p, st, n_tokens) for p, st in zip(prompts, stamps)))
+        return stamps
+    # Prefill every prompt first (one token each; their blocks stay in the
+    # prefix cache), so the measured run starts all streams decoding together.
+    asyncio.run(main(1))
+    stamps = asyncio.run(main(n))
+    t0, t1 = max(st[0] for st in stamps), min(st[-1] for st in stamps)
+    k = sum(sum(1 for t in st if t0 < t <= t1) for st in stamps)
+    return k / (t1 - t0)
 
 
 def perplexity(model, tokens, kv_quant, chunk=512, bs=16):
@@ -113,6 +139,7 @@ def main():
     ap.add_argument("--contexts", default="1000,4000,8000")
     ap.add_argument("--schemes", default="off,8,4,turbo:k8v4,turbo")
     ap.add_argument("--decode", type=int, default=24)
+    ap.add_argument("--streams", type=int, default=8, help="0: skip the concurrent run")
     ap.add_argument("--ppl-tokens", type=int, default=6144)
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--kernel", action="store_true")
@@ -129,19 +156,28 @@ def main():
     print(f"default model: layers={a.num_hidden_layers} kv_heads={a.num_key_value_heads} "
           f"head_dim={a.head_dim} dtype={model.dtype}; cpu path {mlxfast.ops.cpu_path()}, "
           f"{mlxfast.ops.num_threads()} threads")
-    results = {}
+    results, multi = {}, {}
+    # the concurrent streams: distinct prompts (no shared prefix blocks)
+    many = [[rng.randrange(100, a.vocab_size) for _ in range(max(contexts))]
+            for _ in range(args.streams)]
+    streams_decode = 4 * args.decode
+    need_gb = (args.streams + 1) * (max(contexts) + streams_decode + 16) * fp16 / 1e9
     for q in schemes:
-        eng = Engine(model, tok, EngineConfig(kv_quant=q, max_num_seqs=4, kv_cache_gb=1.5,
-                                              max_model_len=max(contexts) + args.decode + 8)).start()
+        eng = Engine(model, tok, EngineConfig(
+            kv_quant=q, max_num_seqs=max(4, args.streams), kv_cache_gb=max(1.5, 1.2 * need_gb),
+            max_model_len=max(contexts) + streams_decode + 8)).start()
         try:
             # prompts are prefixes of one another: each longer one reuses the
             # shorter one's cached blocks, so only the new part is prefilled
             results[q] = (eng.stats()["kv_scheme"], eng.kv_bytes_per_token,
                           [decode_rate(eng, longest[:c], args.decode) for c in contexts])
+            if args.streams:
+                multi[q] = aggregate_rate(eng, many, streams_decode)
         finally:
             eng.shutdown()
         sid, bpt, rates = results[q]
-        print(f"  {q}: {sid} " + " ".join(f"{r:.1f}" for r in rates), flush=True)
+        print(f"  {q}: {sid} " + " ".join(f"{r:.1f}" for r in rates) +
+              (f"; {args.streams} streams {multi[q]:.1f}" if args.streams else ""), flush=True)
     off = results.get("off")
     print(f"\nsingle-stream decode tok/s (median inter-token), one run")
     head = "".join(f"{'@' + str(c):>9}" for c in contexts)
@@ -152,6 +188,12 @@ def main():
         if off:
             line += "".join(f"{r / o:>11.2f}" for r, o in zip(rates, off[2]))
         print(line)
+
+    if multi:
+        print(f"\n{args.streams} concurrent streams at {max(contexts)} tokens of context: "
+              f"aggregate decode tok/s, one run")
+        for q, r in multi.items():
+            print(f"{q:>11} {r:9.1f}" + (f"  {r / multi['off']:.2f}x off" if "off" in multi else ""))
 
     if args.kernel:
         kernel_bench(a)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mlxfast import ops
+from kv_oracle import rounded_query
 from mlxfast.ops.kvquant import KVQuantFormat, rotation_signs
 
 FORMATS = [KVQuantFormat(64, 8, 8, 64, False), KVQuantFormat(64, 4, 4, 64, False),
@@ -113,12 +114,43 @@ def test_attention_long_context_split_and_dtypes(path, fmt):
     q, packed, tables, seq_idx, pos, s = random_case(rng, fmt, n_seqs=3, bs=bs, Hq=Hq, Hkv=Hkv,
                                                      num_blocks=400, max_len=2000, max_n=24)
     kw = dict(scale=0.125, block_size=bs, fmt=fmt, signs=s)
-    want = ops.kv_quant_paged_attention_reference(q, packed, tables, seq_idx, pos, **kw)
     for dt, tol in ((mx.float32, 2e-5), (mx.float16, 2e-3), (mx.bfloat16, 2e-2)):
+        # The reference on the same half-precision query: the query's 8-bit
+        # rounding (ops/kvquant.py, "Scores") sees q as the kernel does.
+        want = ops.kv_quant_paged_attention_reference(q.astype(dt), packed, tables, seq_idx, pos,
+                                                      **kw)
         got = ops.kv_quant_paged_attention(q.astype(dt), packed, tables, seq_idx, pos, **kw)
-        assert got.dtype == dt
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want),
-                                   atol=tol, rtol=tol * 5)
+        assert got.dtype == dt == want.dtype
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                                   np.array(want.astype(mx.float32)), atol=tol, rtol=tol * 5)
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], KVQuantFormat(128, 8, 3, 64, True)], ids=fid)
+def test_scores_use_the_query_rounded_to_8_bits(path, fmt):
+    """Every path scores the keys against scale * q rounded to 8 bits per row:
+    the output is attention over the dequantized KV with that query, and it
+    is measurably not the one with the query as given."""
+    rng = random.Random(11)
+    mx.random.seed(11)
+    q, packed, tables, seq_idx, pos, s = random_case(rng, fmt, n_seqs=4, bs=16, Hq=4, Hkv=2,
+                                                     num_blocks=40, max_len=300)
+    scale = fmt.head_dim ** -0.5
+    got = np.array(ops.kv_quant_paged_attention(q * 3, packed, tables, seq_idx, pos, scale=scale,
+                                                block_size=16, fmt=fmt, signs=s))
+    k, v = ops.kv_quant_dequant_reference(packed, fmt, s)
+    dense = lambda qq, sc: np.array(ops.paged_attention_reference(
+        qq, k, v, tables, seq_idx, pos, scale=sc, block_size=16))
+    g = fmt.group_size
+    rounded = dense(mx.array(rounded_query(q * 3, scale, g)), 1.0)
+    exact = dense(q * 3, scale)
+    np.testing.assert_allclose(got, rounded, atol=2e-5, rtol=1e-4)
+    assert np.abs(got - exact).max() > 1e-4
+    # per block of the keys' group: d * integers in [-127, 127], the largest 127
+    blocks = lambda a: np.array(a, np.float32).reshape(*a.shape[:-1], -1, g)
+    amax = np.abs(blocks(np.array(q * 3) * scale)).max(-1, keepdims=True)
+    q8 = blocks(rounded_query(q * 3, scale, g)) / (amax / 127)
+    np.testing.assert_allclose(q8, np.round(q8), atol=1e-3)
+    assert np.abs(np.round(q8)).max() == 127
 
 
 def test_validation():
@@ -189,9 +221,11 @@ def window_case(rng, fmt, specs, *, bs, Hq, Hkv, window):
 
 
 def brute_force(q, packed, tables, seq_idx, positions, scale, bs, fmt, signs, window):
-    """Numpy float64 over the dequantized pool, keys p - W < j <= p (W = 0: all j <= p)."""
+    """Numpy float64 over the dequantized pool and the rounded query, keys
+    p - W < j <= p (W = 0: all j <= p)."""
     k, v = ops.kv_quant_dequant_reference(packed, fmt, signs)
-    k, v, q = (np.array(a, np.float64) for a in (k, v, q))
+    k, v, q = (np.array(a, np.float64) for a in (k, v, rounded_query(q, scale, fmt.group_size)))
+    scale = 1.0
     tables, seq_idx, positions = (np.array(a).tolist() for a in (tables, seq_idx, positions))
     T, Hq, D = q.shape
     G = Hq // k.shape[1]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine_utils import ToyTokenizer, greedy, run_requests, tiny_model
+from kv_oracle import rounded_query
 from mlxfast import ops
 from mlxfast.engine.api import Request
 from mlxfast.engine.config import EngineConfig
@@ -155,7 +156,9 @@ def test_paged_context_over_quant_pool_matches_naive(quant, native):
     kd, vd = ops.kv_quant_dequant_reference(pool.arrays()[0], pool.spec.fmt, pool.scheme.signs[0])
     seq_idx = [i for i, s in enumerate(seqs) for _ in range(s.n)]
     pos = [p for s in seqs for p in range(s.start, s.start + s.n)]
-    want = _naive(q.reshape(T, Hq, D), kd, vd, [s.block_tables[0] for s in seqs], seq_idx, pos, 0.125, bs)
+    # quantized schemes score keys against the query rounded to 8 bits
+    qr = mx.array(rounded_query(q.reshape(T, Hq, D), 0.125, pool.spec.fmt.group_size))
+    want = _naive(qr, kd, vd, [s.block_tables[0] for s in seqs], seq_idx, pos, 1.0, bs)
     np.testing.assert_allclose(np.array(out.reshape(T, Hq, D)), want, atol=2e-4, rtol=1e-3)
     # the new tokens' KV landed in their slots (quantized)
     kn, _ = ops.kv_quant_dequant_reference(pool.arrays()[0][PagedContext(pool, seqs).slots],

@@ -358,6 +358,25 @@ inline float fexp(float x) {
   return x == -INFINITY ? 0.f : p * s;
 }
 
+// The scaled query row rounded to 8 bits in place, per block of g values
+// (the keys' group; ops/kvquant.py, "Scores": d = max|q| / 127,
+// q -> d * round(q * 127 / max|q|)); the integer codes into q8 and the
+// blocks' d into d when given. Same float operations on every path.
+inline void round_query(float* q, int D, int g, int8_t* q8, float* d) {
+  for (int b = 0; b < D / g; ++b) {
+    float* x = q + b * g;
+    float amax = 0.f;
+    for (int i = 0; i < g; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, db = amax / 127.f;
+    for (int i = 0; i < g; ++i) {
+      const float c = std::nearbyint(x[i] * inv);
+      if (q8) q8[b * g + i] = static_cast<int8_t>(c);
+      x[i] = c * db;
+    }
+    if (d) d[b] = db;
+  }
+}
+
 // Dot product with W partial sums and a tree reduction (no serial tail).
 template <int W>
 inline float dotw(const float* a, const float* b, int n) {
@@ -520,6 +539,7 @@ struct Kernels {
         float* dst = qf + static_cast<size_t>(r) * D;
         const float* qr = pa::load_row(qp, a.q_dtype, D, dst);
         for (int d = 0; d < D; ++d) dst[d] = qr[d] * a.scale;
+        round_query(dst, D, f.group, nullptr, nullptr);
         float* pr = part + static_cast<size_t>(r) * (D + 2);
         std::memset(pr, 0, sizeof(float) * D);
         pr[D] = -INFINITY;

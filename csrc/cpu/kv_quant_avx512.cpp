@@ -1,20 +1,21 @@
 // Quantized-KV kernels compiled for the avx512 path (see kv_quant.h).
 //
 // Decode items (fewer than 16 query rows: a token's query heads sharing a kv
-// head) at head dims 64/128/256 take the dense decode tile's shape
-// (paged_attention_avx512.cpp) instead of the generic kernel's per-block
-// pass: K rows decoded 16 keys at a time into an L1 tile and scored 16 keys
-// per vector, online softmax once per span of kSpan keys (vectorised exp),
-// and P.V with the rows' accumulators in registers, each V chunk decoded
-// from its codes in registers (codes -> scale * code + bias, or TurboQuant's
-// w * c[code] in the rotated domain) right before its FMAs. The generic
-// kernel decoded K and V into tiles and ran scalar max/exp/sum and a
-// rescale per 16-key block: about 3x the dense f16 kernel's time at 8,000
-// keys for half its bytes.
+// head) at head dims 64/128/256, on CPUs with AVX-512 VNNI, take the dense
+// decode tile's shape (paged_attention_avx512.cpp) instead of the generic
+// kernel's per-block pass: the scores of 16 keys at a time from int8 dot
+// products of the rounded query with the key codes (one vector per 16 keys),
+// online softmax once per span of kSpan keys (vectorised exp), and P.V with
+// the rows' accumulators in registers, each V chunk decoded from its codes in
+// registers (scale * code + bias, or TurboQuant's w * c[code] in the rotated
+// domain) right before its FMAs. The generic kernel decoded K and V into
+// float tiles and ran scalar max/exp/sum and a rescale per 16-key block:
+// about 3x the dense f16 kernel's time at 8,000 keys for half its bytes.
 #include "cpu/kv_quant.h"
 
+#include "common/cpu_features.h"
 #include "common/scratch.h"
-#include "cpu/vec_exp.h"
+#include "cpu/decode_span_avx512.h"
 
 namespace mlxfast {
 namespace kvq {
@@ -88,70 +89,111 @@ inline void value_chunks(const uint8_t* vp, int vcode, int gshift, int c0, __m51
   }
 }
 
-struct Seg {  // one block's keys inside a span
-  int64_t slot0;
-  int nk, off;
-};
+// ---- keys' scores from int8 dot products (VNNI) -----------------------------
+// The query row is rounded to 8 bits per key group (kv_quant.h's
+// round_query: q^ = d_g * xq), so q^ . k^ = sum over groups of
+// d_g * (scale_g * sum(xq * code) + bias_g * sum(xq)),
+// the sums exact in int32: one vpdpbusd per 64 codes per key and row instead
+// of decoding K to floats and 4 FMAs per 64 values. The same numbers as the
+// float path up to float rounding order.
 
-// acc rows r0 .. r0+RG-1, columns c0 .. c0+DC-1 ([R][D] in memory) =
-// alpha * acc + sum over the span's keys of P[row][key] * V[key], V decoded
-// per chunk in registers. TurboQuant: V is w * tab[code] (rotated domain).
-template <int D, int VB, bool VT, int DC, int RG>
-void pv_span(const AttnArgs& a, const uint8_t* vbase, int64_t rowb, const Seg* segs, int nseg,
-             const float* S, int64_t sr, int r0, int rg, int c0, const float* alpha, float* acc,
-             const __m512 tab, int gshift) {
-  if constexpr (RG > 1) {
-    if (rg < RG)
-      return pv_span<D, VB, VT, DC, RG - 1>(a, vbase, rowb, segs, nseg, S, sr, r0, rg, c0, alpha, acc,
-                                            tab, gshift);
-  }
-  constexpr int NV = DC / 16;
-  const Fmt& f = a.f;
-  __m512 o[RG][NV];
-  for (int r = 0; r < RG; ++r) {
-    const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
-    for (int v = 0; v < NV; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_load_ps(acc + (r0 + r) * D + c0 + v * 16));
-  }
-  for (int sg = 0; sg < nseg; ++sg) {
-    const Seg& seg = segs[sg];
-    for (int i = 0; i < seg.nk; ++i) {
-      const uint8_t* vp = vbase + (seg.slot0 + i) * rowb;
-      __m512 vv[NV];
-      value_chunks<D, VB, VT, NV>(vp, f.vcode, gshift, c0, tab, vv);
-      for (int r = 0; r < RG; ++r) {
-        const __m512 p = _mm512_set1_ps(S[(r0 + r) * sr + seg.off + i]);
-        for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(p, vv[v], o[r][v]);
+// 16 keys' codes as bytes (8-bit rows as stored; 4-bit rows unpacked into
+// `tile`) and their groups' scales and biases as floats, s16/b16 [ng][16]
+// (keys past nv: a zero row, scale and bias 0).
+template <int D, int KB, int G>
+inline void key_block16(const uint8_t* kp0, int64_t rowb, int nv, const uint8_t** cp,
+                        uint8_t* tile, float* s16, float* b16) {
+  constexpr int ng = D / G;
+  alignas(64) static const uint8_t zero_row[D] = {};
+  for (int k = 0; k < 16; ++k) {
+    const uint8_t* kp = kp0 + k * rowb;
+    if (k >= nv) {
+      cp[k] = zero_row;
+      for (int g = 0; g < ng; ++g) s16[16 * g + k] = b16[16 * g + k] = 0.f;
+      continue;
+    }
+    const uint8_t* sp = kp + D * KB / 8;
+    for (int g = 0; g < ng; ++g) {
+      uint16_t h;
+      std::memcpy(&h, sp + 2 * g, 2);
+      s16[16 * g + k] = _cvtsh_ss(h);
+      std::memcpy(&h, sp + 2 * ng + 2 * g, 2);
+      b16[16 * g + k] = _cvtsh_ss(h);
+    }
+    if constexpr (KB == 8) {
+      cp[k] = kp;
+    } else {  // byte i holds codes 2i (low nibble) and 2i + 1: one code per byte
+      uint8_t* t = tile + k * D;
+      for (int c = 0; c < D / 64; ++c) {
+        const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + 32 * c)));
+        const __m512i y = _mm512_or_si512(_mm512_and_si512(x, _mm512_set1_epi16(0x0F)),
+                                          _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0xF0)), 4));
+        _mm512_store_si512(t + 64 * c, y);
       }
+      cp[k] = t;
     }
   }
-  for (int r = 0; r < RG; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + r) * D + c0 + v * 16, o[r][v]);
 }
 
-// Register blocking (RG * DC / 16 + DC / 16 <= 28 of the 32 vector registers).
-template <int D> struct PvCfg;
-template <> struct PvCfg<64> { static constexpr int DC = 64, RG = 6; };
-template <> struct PvCfg<128> { static constexpr int DC = 128, RG = 3; };
-template <> struct PvCfg<256> { static constexpr int DC = 64, RG = 6; };
+// One row's scores of the 16 keys: xq its codes [D / 64] vectors, J [D / G]
+// the sums of xq per group, d [D / G] its groups' scales. Groups of G codes (G < 64 splits a
+// 64-code chunk by lane masks).
+template <int D, int G>
+inline __m512 int_scores16(const uint8_t* const* cp, const __m512i* xq, const float* s16,
+                           const float* b16, const float* J, const float* d) {
+  __m512 score = _mm512_setzero_ps();
+  for (int u = 0; u < D / G; ++u) {
+    __m512 part[16];
+    if constexpr (G >= 64) {
+      for (int k = 0; k < 16; ++k) {
+        __m512i acc = _mm512_setzero_si512();
+        for (int c = u * (G / 64); c < (u + 1) * (G / 64); ++c)
+          acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(cp[k] + 64 * c), xq[c]);
+        part[k] = _mm512_cvtepi32_ps(acc);
+      }
+    } else {
+      constexpr int upc = 64 / G;
+      const __mmask16 lanes = static_cast<__mmask16>(((1u << (G / 4)) - 1u) << ((u % upc) * (G / 4)));
+      for (int k = 0; k < 16; ++k)
+        part[k] = _mm512_cvtepi32_ps(_mm512_maskz_dpbusd_epi32(
+            lanes, _mm512_setzero_si512(), _mm512_loadu_si512(cp[k] + 64 * (u / upc)), xq[u / upc]));
+    }
+    const __m512 g = _mm512_fmadd_ps(_mm512_loadu_ps(s16 + 16 * u), reduce16x16(part),
+                                     _mm512_mul_ps(_mm512_loadu_ps(b16 + 16 * u), _mm512_set1_ps(J[u])));
+    score = _mm512_fmadd_ps(g, _mm512_set1_ps(d[u]), score);
+  }
+  return score;
+}
 
-template <int D, int KB, int VB, bool VT>
+// A packed pool's value parts, decoded in registers; TurboQuant's in the
+// rotated domain.
+template <int D, int VB, bool VT>
+struct PackedValues {
+  const uint8_t* vbase;
+  int64_t rowb;
+  int vcode, gshift;
+  __m512 tab;
+  template <int NV>
+  void get(int64_t slot, int c0, __m512* vv) const {
+    value_chunks<D, VB, VT, NV>(vbase + slot * rowb, vcode, gshift, c0, tab, vv);
+  }
+};
+
+template <int D, int KB, int VB, bool VT, int GR>
 void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  constexpr int NV = D / 16;
   const Fmt& f = a.f;
   const int G = a.Hq / a.Hkv, bs = a.bs;
   const int nq = static_cast<int>(t1 - t0), R = nq * G;  // R < 16
   const int span_blocks = bs >= kSpan ? 1 : kSpan / bs;
   const int64_t spanp = (static_cast<int64_t>(span_blocks) * bs + 31) / 16 * 16;  // + 16 slack
-  // scratch: q [R][D], S [R][spanp], acc [R][D], m, l, alpha [16], kb [16][D], segs
-  float* qf = tl_decode.get(static_cast<size_t>(2 * R * D + R * spanp + 48 + 16 * D) +
-                            sizeof(Seg) * span_blocks / sizeof(float) + 16);
-  float* S = qf + R * D;
+  // scratch: S [R][spanp], acc [R][D], m, l, alpha [16], segs
+  float* S = tl_decode.get(static_cast<size_t>(R * D + R * spanp + 48) +
+                           sizeof(SpanSeg) * span_blocks / sizeof(float) + 16);
   float* acc = S + R * spanp;
   float* m = acc + R * D;
   float* l = m + 16;
   float* alpha = l + 16;
-  float* kb = alpha + 16;
-  Seg* segs = reinterpret_cast<Seg*>(kb + 16 * D);
+  SpanSeg* segs = reinterpret_cast<SpanSeg*>(alpha + 16);
   const int gshift = __builtin_ctz(f.group / 16);
   float cbp[16] = {0};
   if (VT) std::memcpy(cbp, a.codebook, sizeof(float) * (1 << f.vbits));
@@ -166,13 +208,23 @@ void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
     qpos[j] = p;
     n_keys = p + 1 > n_keys ? p + 1 : n_keys;
   }
-  float qbuf[pa::kMaxHeadDim];
+  float qbuf[pa::kMaxHeadDim], qd[D];
+  constexpr int ng = D / GR;
+  alignas(64) int8_t xq8[16 * D];
+  alignas(64) uint8_t ktile[KB == 8 ? 64 : 16 * D];
+  float qscale[16 * 16], J[16 * 16], s16[16 * 16], b16[16 * 16];
+  const uint8_t* cp[16];
   for (int r = 0; r < R; ++r) {
     const int j = r / G, h = kh * G + r % G;
     const float* qr = pa::load_row(static_cast<const char*>(a.q) + ((t0 + j) * a.Hq + h) * D * qes,
                                    a.q_dtype, D, qbuf);
-    for (int v = 0; v < NV; ++v)
-      _mm512_store_ps(qf + r * D + v * 16, _mm512_mul_ps(_mm512_loadu_ps(qr + v * 16), _mm512_set1_ps(a.scale)));
+    for (int i = 0; i < D; ++i) qd[i] = qr[i] * a.scale;
+    round_query(qd, D, GR, xq8 + r * D, qscale + r * 16);
+    for (int u = 0; u < ng; ++u) {
+      int sum = 0;
+      for (int i = u * GR; i < (u + 1) * GR; ++i) sum += xq8[r * D + i];
+      J[r * 16 + u] = static_cast<float>(sum);
+    }
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
@@ -193,72 +245,40 @@ void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
       for (int64_t b = s0; b < s1; ++b) {
         const int64_t blk = table[b];
         if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
+        // The next block's first rows only: its rows are contiguous, the
+        // hardware prefetcher follows (prefetching every line was ~10% slower).
         if (b + 1 < be) {
           const int64_t nxt = table[b + 1];
           if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots)
-            pa::prefetch_rows(reinterpret_cast<const char*>(kbase), nxt * bs * rowb, bs, rowb, f.row);
+            pa::prefetch_rows(reinterpret_cast<const char*>(kbase), nxt * bs * rowb, bs < 2 ? bs : 2,
+                              rowb, f.row);
         }
         const int64_t key0 = b * bs;
         const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
-        segs[nseg++] = Seg{blk * bs, nk, n};
+        segs[nseg++] = SpanSeg{blk * bs, nk, n};
         for (int i0 = 0; i0 < nk; i0 += 16) {
           const int nv = nk - i0 < 16 ? nk - i0 : 16;
-          for (int k = 0; k < 16; ++k) {
-            __m512 kv[NV];
-            if (k < nv) {
-              affine_row<D, KB>(kbase + (blk * bs + i0 + k) * rowb, gshift, kv);
-            } else {
-              for (int v = 0; v < NV; ++v) kv[v] = _mm512_setzero_ps();
-            }
-            for (int v = 0; v < NV; ++v) _mm512_store_ps(kb + k * D + v * 16, kv[v]);
-          }
+          const uint8_t* kp0 = kbase + (blk * bs + i0) * rowb;
+          key_block16<D, KB, GR>(kp0, rowb, nv, cp, ktile, s16, b16);
           const __m512i kidx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + i0)));
           const __mmask16 in_block = static_cast<__mmask16>(nv >= 16 ? 0xffffu : (1u << nv) - 1u);
           for (int r = 0; r < R; ++r) {
-            __m512 sc[16];
-            for (int k = 0; k < 16; ++k) {
-              __m512 p = _mm512_mul_ps(_mm512_load_ps(qf + r * D), _mm512_load_ps(kb + k * D));
-              for (int v = 1; v < NV; ++v)
-                p = _mm512_fmadd_ps(_mm512_load_ps(qf + r * D + v * 16), _mm512_load_ps(kb + k * D + v * 16), p);
-              sc[k] = p;
-            }
+            __m512i xq[D / 64];
+            for (int c = 0; c < D / 64; ++c) xq[c] = _mm512_load_si512(xq8 + r * D + 64 * c);
+            const __m512 s16k = int_scores16<D, GR>(cp, xq, s16, b16, J + r * 16, qscale + r * 16);
             __mmask16 ok = _mm512_mask_cmple_epi32_mask(in_block, kidx,
                                                         _mm512_set1_epi32(static_cast<int>(qpos[r / G])));
             ok = _mm512_mask_cmpge_epi32_mask(ok, kidx, _mm512_set1_epi32(static_cast<int>(qlo[r / G])));
             // Lanes past the block's keys are overwritten by the next block's.
-            _mm512_storeu_ps(S + r * spanp + n + i0, _mm512_mask_mov_ps(ninf, ok, reduce16x16(sc)));
+            _mm512_storeu_ps(S + r * spanp + n + i0, _mm512_mask_mov_ps(ninf, ok, s16k));
           }
         }
         n += nk;
       }
       if (n == 0) continue;
-      const __mmask16 tail = static_cast<__mmask16>((n & 15) ? (1u << (n & 15)) - 1u : 0xffffu);
-      for (int r = 0; r < R; ++r) {
-        float* sr = S + r * spanp;
-        __m512 mv = ninf;
-        for (int i0 = 0; i0 < n; i0 += 16)
-          mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(ninf, n - i0 >= 16 ? 0xffff : tail, sr + i0));
-        const float mb = _mm512_reduce_max_ps(mv);
-        const float mn = m[r] > mb ? m[r] : mb;
-        const float mu = mn == -INFINITY ? 0.f : mn;
-        alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mu);
-        __m512 sum = _mm512_setzero_ps();
-        for (int i0 = 0; i0 < n; i0 += 16) {
-          const __mmask16 mk = n - i0 >= 16 ? 0xffff : tail;
-          const __m512 x = _mm512_mask_loadu_ps(ninf, mk, sr + i0);
-          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
-                                               exp16(_mm512_sub_ps(x, _mm512_set1_ps(mu))));
-          _mm512_mask_storeu_ps(sr + i0, mk, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-        m[r] = mn;
-      }
-      constexpr int DC = PvCfg<D>::DC, RG = PvCfg<D>::RG;
-      for (int r0 = 0; r0 < R; r0 += RG)
-        for (int c0 = 0; c0 < D; c0 += DC)
-          pv_span<D, VB, VT, DC, RG>(a, vbase, rowb, segs, nseg, S, spanp, r0,
-                                     R - r0 < RG ? R - r0 : RG, c0, alpha, acc, tab, gshift);
+      span_softmax(S, spanp, R, n, m, l, alpha);
+      pv_rows<D>(PackedValues<D, VB, VT>{vbase, rowb, f.vcode, gshift, tab}, segs, nseg, S, 1, spanp, R,
+                 alpha, acc);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -269,20 +289,20 @@ void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
   }
 }
 
-template <int D>
-bool decode_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+template <int D, int GR>
+bool decode_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
   const Fmt& f = a.f;
   using Fn = void (*)(const AttnArgs&, int64_t, int64_t, int, int, int, float*);
   Fn fn = nullptr;
   if (!f.vturbo) {  // the affine schemes: K and V of one width
-    if (f.kbits == 8 && f.vbits == 8) fn = &decode_item<D, 8, 8, false>;
-    if (f.kbits == 4 && f.vbits == 4) fn = &decode_item<D, 4, 4, false>;
+    if (f.kbits == 8 && f.vbits == 8) fn = &decode_item<D, 8, 8, false, GR>;
+    if (f.kbits == 4 && f.vbits == 4) fn = &decode_item<D, 4, 4, false, GR>;
   } else if (f.kbits == 8 || f.kbits == 4) {
     const bool k8 = f.kbits == 8;
     switch (f.vbits) {
-      case 2: fn = k8 ? &decode_item<D, 8, 2, true> : &decode_item<D, 4, 2, true>; break;
-      case 3: fn = k8 ? &decode_item<D, 8, 3, true> : &decode_item<D, 4, 3, true>; break;
-      case 4: fn = k8 ? &decode_item<D, 8, 4, true> : &decode_item<D, 4, 4, true>; break;
+      case 2: fn = k8 ? &decode_item<D, 8, 2, true, GR> : &decode_item<D, 4, 2, true, GR>; break;
+      case 3: fn = k8 ? &decode_item<D, 8, 3, true, GR> : &decode_item<D, 4, 3, true, GR>; break;
+      case 4: fn = k8 ? &decode_item<D, 8, 4, true, GR> : &decode_item<D, 4, 4, true, GR>; break;
       default: break;
     }
   }
@@ -291,11 +311,21 @@ bool decode_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
   return true;
 }
 
+// The engine's group sizes (kv_group_size: 64 or 32); others take the
+// generic kernel.
+template <int D>
+bool decode_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  switch (a.f.group) {
+    case 64: return decode_dg<D, 64>(a, t0, t1, kh, b0, b1, part);
+    case 32: return decode_dg<D, 32>(a, t0, t1, kh, b0, b1, part);
+    default: return false;
+  }
+}
+
 bool fast_decode(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
   const Fmt& f = a.f;
-  // group: a power of two of whole 16-value chunks within the row
-  if ((t1 - t0) * (a.Hq / a.Hkv) >= 16 || f.group < 16 || f.group > f.D || (f.group & (f.group - 1)))
-    return false;
+  static const bool vnni = cpu_has_avx512_vnni();  // VNNI scores the keys
+  if (!vnni || (t1 - t0) * (a.Hq / a.Hkv) >= 16 || f.group > f.D) return false;
   switch (f.D) {
     case 64: return decode_d<64>(a, t0, t1, kh, b0, b1, part);
     case 128: return decode_d<128>(a, t0, t1, kh, b0, b1, part);

@@ -19,6 +19,7 @@
 
 #include "common/scratch.h"
 #include "cpu/paged_attention.h"
+#include "cpu/decode_span_avx512.h"
 #include "cpu/reduce_avx512.h"
 #include "cpu/vec_exp.h"
 
@@ -68,71 +69,18 @@ inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const
   }
 }
 
-// One block's keys inside a decode span: their first slot, how many, and
-// where their scores sit in the span's score rows.
-struct SpanSeg {
-  int64_t slot0;
-  int nk, off;
+// A dense pool's value rows (fp32, fp16 or bf16).
+struct DenseValues {
+  const char* vbase;
+  int64_t vrow;
+  DType dt;
+  int es;
+  template <int NV>
+  void get(int64_t slot, int c0, __m512* vv) const {
+    const char* vp = vbase + slot * vrow + c0 * es;
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, dt);
+  }
 };
-
-// Columns c0 .. c0+DC-1 of acc rows r0 .. r0+RG-1 ([R][DV] in memory) =
-// alpha * acc + P^T V over the keys of every segment, P[key i of a
-// segment][row r] at S[(seg.off + i) * si + r * sr]; the rows' outputs stay
-// in registers across the segments (a decode span's blocks, or a prefill
-// tile's one block).
-template <int DV, int DC, int RG>
-inline void pv_span(const Args& a, const char* vbase, int64_t vrow, const SpanSeg* segs,
-                    int nseg, const float* S, int64_t si, int64_t sr, int r0, int rg, int c0,
-                    const float* alpha, float* acc) {
-  if constexpr (RG > 1) {
-    if (rg < RG) {
-      return pv_span<DV, DC, RG - 1>(a, vbase, vrow, segs, nseg, S, si, sr, r0, rg, c0, alpha,
-                                     acc);
-    }
-  }
-  constexpr int NV = DC / 16;
-  __m512 o[RG][NV];
-  for (int r = 0; r < RG; ++r) {
-    const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
-    for (int v = 0; v < NV; ++v)
-      o[r][v] = _mm512_mul_ps(al, _mm512_load_ps(acc + (r0 + r) * DV + c0 + v * 16));
-  }
-  const int es = a.kv_dtype == F32 ? 4 : 2;
-  for (int sg = 0; sg < nseg; ++sg) {
-    const SpanSeg& seg = segs[sg];
-    for (int i = 0; i < seg.nk; ++i) {
-      const char* vp = vbase + (seg.slot0 + i) * vrow + c0 * es;
-      __m512 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load16(vp + v * 16 * es, a.kv_dtype);
-      for (int r = 0; r < RG; ++r) {
-        const __m512 p = _mm512_set1_ps(S[(seg.off + i) * si + (r0 + r) * sr]);
-        for (int v = 0; v < NV; ++v) o[r][v] = _mm512_fmadd_ps(p, vv[v], o[r][v]);
-      }
-    }
-  }
-  for (int r = 0; r < RG; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + r) * DV + c0 + v * 16, o[r][v]);
-}
-
-// Register blocking of P.V per head dim: DC columns x RG rows of
-// accumulators (RG * DC / 16 + DC / 16 <= 28 of the 32 vector registers).
-template <int DV> struct PvCfg;
-template <> struct PvCfg<64> { static constexpr int DC = 64, RG = 6; };
-template <> struct PvCfg<128> { static constexpr int DC = 128, RG = 3; };
-template <> struct PvCfg<256> { static constexpr int DC = 64, RG = 6; };
-
-// pv_span over all R rows and all DV columns.
-template <int DV>
-inline void pv_rows(const Args& a, const char* vbase, int64_t vrow, const SpanSeg* segs, int nseg,
-                    const float* S, int64_t si, int64_t sr, int R, const float* alpha,
-                    float* acc) {
-  constexpr int DC = PvCfg<DV>::DC, RG = PvCfg<DV>::RG;
-  for (int r0 = 0; r0 < R; r0 += RG) {
-    const int rg = R - r0 < RG ? R - r0 : RG;
-    for (int c0 = 0; c0 < DV; c0 += DC)
-      pv_span<DV, DC, RG>(a, vbase, vrow, segs, nseg, S, si, sr, r0, rg, c0, alpha, acc);
-  }
-}
 
 // Tiles of fewer than 16 query rows (decode: one token x the kv head's
 // query heads): scores for 16 keys at a time per row (16 dot products
@@ -250,32 +198,9 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
         n += nk;
       }
       if (n == 0) continue;
-      const __mmask16 tail = (n & 15) ? static_cast<__mmask16>((1u << (n & 15)) - 1u)
-                                      : static_cast<__mmask16>(0xffff);
-      for (int r = 0; r < R; ++r) {
-        float* sr = St + r * spanp;
-        __m512 mv = ninf;
-        for (int i0 = 0; i0 < n; i0 += 16) {
-          const __mmask16 mk = n - i0 >= 16 ? static_cast<__mmask16>(0xffff) : tail;
-          mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(ninf, mk, sr + i0));
-        }
-        const float mb = _mm512_reduce_max_ps(mv);
-        const float mn = m[r] > mb ? m[r] : mb;
-        const float mu = mn == -INFINITY ? 0.f : mn;
-        alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mu);
-        __m512 sum = _mm512_setzero_ps();
-        for (int i0 = 0; i0 < n; i0 += 16) {
-          const __mmask16 mk = n - i0 >= 16 ? static_cast<__mmask16>(0xffff) : tail;
-          const __m512 x = _mm512_mask_loadu_ps(ninf, mk, sr + i0);
-          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
-                                               exp16(_mm512_sub_ps(x, _mm512_set1_ps(mu))));
-          _mm512_mask_storeu_ps(sr + i0, mk, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-        m[r] = mn;
-      }
-      pv_rows<D>(a, vbase, vrow, segs, nseg, St, 1, spanp, R, alpha, acc);
+      span_softmax(St, spanp, R, n, m, l, alpha);
+      pv_rows<D>(DenseValues{vbase, vrow, a.kv_dtype, static_cast<int>(kes)}, segs, nseg, St, 1, spanp,
+                 R, alpha, acc);
     }
   }
   if (part == nullptr) {
@@ -389,7 +314,8 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
         _mm512_store_ps(alpha + c * 16, al);
       }
       const SpanSeg seg{blk * bs, nk, 0};
-      pv_rows<DV>(a, vbase, vrow, &seg, 1, S, Rp, 1, R, alpha, acc);
+      pv_rows<DV>(DenseValues{vbase, vrow, a.kv_dtype, static_cast<int>(kes)}, &seg, 1, S, Rp, 1, R,
+                  alpha, acc);
     }
   }
   write_rows(a, t0, kh, R, acc, l);

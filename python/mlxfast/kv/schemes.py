@@ -126,6 +126,11 @@ class KVScheme:
         """Dense K, V of slots ``idx`` (any shape) -> [*idx.shape, Hkv, D] (reference path)."""
         raise NotImplementedError
 
+    def score_query(self, q: mx.array, scale: float) -> tuple[mx.array, float]:
+        """The query and scale the reference path scores gathered keys with: the
+        scheme's own attention's (quantized schemes round the query)."""
+        return q, scale
+
 
 class DenseScheme(KVScheme):
     def __init__(self, spec: KVSchemeSpec, layers, num_slots: int, inplace: bool = False):
@@ -191,6 +196,10 @@ class QuantScheme(KVScheme):
                                           fmt=self.fmts[layer], signs=self.signs[layer],
                                           window=window)
         return out.reshape(*lead, -1)
+
+    def score_query(self, q, scale):
+        # as the fused attention does (ops/kvquant.py, "Scores")
+        return kq.round_query_int8(q, scale, self.spec.fmt.group_size).astype(q.dtype), 1.0
 
     def gather(self, layer, idx, dtype):
         return kq.kv_quant_dequant(self.data[layer][idx], self.fmts[layer], self.signs[layer], dtype)

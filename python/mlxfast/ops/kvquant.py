@@ -31,6 +31,16 @@ boundaries below ``x``, boundaries = midpoints). ``w = |v| / |c[codes]|``
 ``v^ = s * H (w * c[codes]) / sqrt(D)``. Attention accumulates
 ``sum_j p_j w_j c[codes_j]`` in the rotated domain and applies the inverse
 rotation once per head at the end.
+
+Scores: the fused attention scores keys against the scaled query rounded to
+8 bits per block of the keys' group (``g`` values of a (token, head) row),
+``q' = scale * q``, per block ``d = max|q'| / 127`` and
+``q^ = d * round(q' * 127 / max|q'|)`` (half to even; llama.cpp rounds the
+query to q8_0 blocks for its quantized K cache the same way). Then
+``q^ . k^ = sum_g d_g * (scale_g * sum(xq * code) + bias_g * sum(xq))`` with
+integer sums, which the CPU computes exactly with int8 dot products (VNNI
+``vpdpbusd``) where it has them; elsewhere it multiplies the floats ``q^``.
+Values and the softmax stay float32.
 """
 
 from __future__ import annotations
@@ -286,8 +296,21 @@ def kv_quant_paged_attention_reference(q, packed, block_tables, seq_idx, positio
     rows = paged_gather_reference(packed, block_tables, block_size)  # [S, B*bs, Hkv, R]
     k, v = kv_quant_dequant_reference(rows.reshape(S * B * block_size, *packed.shape[1:]), fmt, signs)
     tables = mx.arange(S * B, dtype=mx.int32).reshape(S, B)
-    return paged_attention_reference(q, k, v, tables, seq_idx, positions, scale=scale,
-                                     block_size=block_size, window=window)
+    out = paged_attention_reference(round_query_int8(q, scale, fmt.group_size), k, v, tables, seq_idx, positions,
+                                    scale=1.0, block_size=block_size, window=window)
+    return out.astype(q.dtype)
+
+
+def round_query_int8(q: mx.array, scale: float, group: int) -> mx.array:
+    """``scale * q`` rounded to 8 bits per block of ``group`` values of its last
+    axis (float32): what the fused attention scores the keys against (module
+    docstring)."""
+    x = q.astype(mx.float32) * scale
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    amax = mx.max(mx.abs(b), axis=-1, keepdims=True)
+    nz = amax > 0
+    inv = mx.where(nz, mx.array(127.0, mx.float32) / mx.where(nz, amax, 1.0), 0.0)
+    return (mx.round(b * inv) * (amax / mx.array(127.0, mx.float32))).reshape(x.shape)
 
 
 # --- public ops ------------------------------------------------------------------
