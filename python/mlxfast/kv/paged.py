@@ -163,7 +163,7 @@ class PagedContext:
 
     def _reference(self, q, scheme, slot, kv_group, window, scale):
         T, Hq, D = q.shape
-        q, scale = scheme.score_query(q, scale)
+        q, scale = scheme.score_query(slot, q, scale)
         outs = []
         for g in self.groups:
             qg = q[g.q_idx].transpose(0, 2, 1, 3)  # [S, Hq, Q, D]

@@ -126,9 +126,10 @@ class KVScheme:
         """Dense K, V of slots ``idx`` (any shape) -> [*idx.shape, Hkv, D] (reference path)."""
         raise NotImplementedError
 
-    def score_query(self, q: mx.array, scale: float) -> tuple[mx.array, float]:
-        """The query and scale the reference path scores gathered keys with: the
-        scheme's own attention's (quantized schemes round the query)."""
+    def score_query(self, layer: int, q: mx.array, scale: float) -> tuple[mx.array, float]:
+        """The query and scale the reference path scores gathered keys of
+        ``layer`` with: the scheme's own attention's (quantized schemes round
+        the query)."""
         return q, scale
 
 
@@ -197,9 +198,9 @@ class QuantScheme(KVScheme):
                                           window=window)
         return out.reshape(*lead, -1)
 
-    def score_query(self, q, scale):
+    def score_query(self, layer, q, scale):
         # as the fused attention does (ops/kvquant.py, "Scores")
-        return kq.round_query_int8(q, scale, self.spec.fmt.group_size).astype(q.dtype), 1.0
+        return kq.round_query_int8(q, scale, self.fmts[layer].group_size).astype(q.dtype), 1.0
 
     def gather(self, layer, idx, dtype):
         return kq.kv_quant_dequant(self.data[layer][idx], self.fmts[layer], self.signs[layer], dtype)
