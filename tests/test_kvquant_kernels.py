@@ -150,6 +150,7 @@ def test_scores_use_the_query_rounded_to_8_bits(path, fmt):
     amax = np.abs(blocks(np.array(q * 3) * scale)).max(-1, keepdims=True)
     q8 = blocks(rounded_query(q * 3, scale, g)) / (amax / 127)
     np.testing.assert_allclose(q8, np.round(q8), atol=1e-3)
+    assert np.all(np.abs(np.round(q8)).max(-1) == 127)
     assert np.abs(np.round(q8)).max() == 127
 
 
