@@ -3,10 +3,13 @@ long prompt cold vs prefix-cached, from one run on one engine.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--tokens 128]
         [--prompt-tokens 2000] [--concurrency 1,4,8,16] [--rounds 3] [--block-sizes]
+        [--compare-async]
 
 Targets: 8 streams >= 4x the single-stream aggregate; a cached-prefix first
 token >= 20x sooner than cold. ``--block-sizes`` adds a micro-benchmark of the
 native paged attention kernel per block size (decode and prefill shapes).
+``--compare-async`` instead runs decode on two engines, async scheduling on
+and off, alternating within each round, and reports on / off per level.
 """
 
 from __future__ import annotations
@@ -58,6 +61,31 @@ def ttft(engine, prompt, salt):
     return stamps[0] - t0
 
 
+def compare_async(model, tok, levels, args):
+    """Decode tok/s with async scheduling on and off, alternating engines."""
+    engines = {on: Engine(model, tok, EngineConfig(
+        max_num_seqs=max(levels), kv_cache_gb=0.5, block_size=args.block_size,
+        kv_dtype=args.kv_dtype, async_scheduling=on)).start() for on in (True, False)}
+    rng = random.Random(0)
+    vocab = model.args.vocab_size
+    runs = {(on, c): [] for on in engines for c in levels}
+    try:
+        for _ in range(args.rounds):
+            for c in levels:
+                for on, e in engines.items():
+                    prompts = [[rng.randrange(100, vocab) for _ in range(16 + i)] for i in range(c)]
+                    runs[on, c].append(decode_throughput(e, prompts, args.tokens))
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    print(f"{'streams':>8} {'async on':>9} {'off':>7} {'on/off':>7}   (medians of {args.rounds} rounds)")
+    for c in levels:
+        on, off = runs[True, c], runs[False, c]
+        ratio = statistics.median(a / b for a, b in zip(on, off))
+        print(f"{c:>8} {statistics.median(on):>9.1f} {statistics.median(off):>7.1f} {ratio:>7.3f}   "
+              f"per round on/off: {', '.join(f'{a / b:.2f}' for a, b in zip(on, off))}")
+
+
 def bench_block_sizes(args_model):
     from mlxfast import ops
     a = args_model
@@ -98,11 +126,15 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-sizes", action="store_true")
+    ap.add_argument("--compare-async", action="store_true",
+                    help="decode with async scheduling on vs off (alternating engines), then exit")
     ap.add_argument("--kv-dtype", default=None, help="float32 | float16 | bfloat16 (default: auto, kv.block_pool.default_kv_dtype)")
     args = ap.parse_args()
 
     model, tok = mlxfast.load(args.model)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.compare_async:
+        return compare_async(model, tok, levels, args)
     engine = Engine(model, tok, EngineConfig(max_num_seqs=max(levels), kv_cache_gb=1.0,
                                              block_size=args.block_size, kv_dtype=args.kv_dtype)).start()
     rng = random.Random(0)

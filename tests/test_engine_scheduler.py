@@ -394,3 +394,69 @@ def test_a_connector_needs_one_kv_group():
     alloc = BlockAllocator(64, 4)
     with pytest.raises(ValueError, match="one KV group"):
         Scheduler(alloc, windows=(0, 8), connector=FakeConnector(alloc, ()))
+
+
+def test_plan_ahead_is_the_step_schedule_would_make():
+    s = make(max_num_batched_tokens=16, max_num_seqs=4)
+    a, b = seq("a", 3, max_tokens=8), seq("b", 7, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    plan, _ = step(s)  # both prefilled: the next step decodes both
+    plan = s.schedule()
+    ahead = s.plan_ahead(plan)  # before this step's tokens are known
+    assert [(r.seq.request_id, r.start, r.n, r.sample) for r in ahead.rows] == [("a", 4, 1, True),
+                                                                               ("b", 8, 1, True)]
+    assert len(b.block_tables[0]) == 3  # position 8 is in a third block of 4, grown ahead
+    s.update(plan, [50, 51])
+    s.update(ahead, [60, 61])
+    assert a.tokens[-2:] == [50, 60] and b.tokens[-2:] == [51, 61]
+    assert a.num_computed == 5 and b.num_computed == 9
+    # the same state a synchronous schedule gives
+    assert [(r.start, r.n) for r in s.schedule().rows] == [(5, 1), (9, 1)]
+
+
+def test_plan_ahead_only_for_plain_decodes_with_blocks_free():
+    s = make(max_num_batched_tokens=16, max_num_seqs=4)
+    a = seq("a", 20)
+    s.add(a)
+    plan = s.schedule()  # a prefill chunk: its next step is not known
+    assert s.plan_ahead(plan) is None
+    s.update(plan, [])
+    step(s)  # the rest of the prompt, then a decodes
+    plan = s.schedule()
+    s.add(seq("b", 3))  # waiting: the next step admits it
+    assert s.plan_ahead(plan) is None
+    s.waiting.clear()
+    plan.rows[0].draft = [7]
+    assert s.plan_ahead(plan) is None
+    plan.rows[0].draft = []
+    free = s.alloc.num_free
+    taken = s.alloc.allocate(free)  # no block free for the next position
+    needs_block = a.num_computed + 1 == len(a.block_tables[0]) * 4
+    assert (s.plan_ahead(plan) is None) == needs_block
+    s.alloc.free(taken)
+
+
+def test_plan_ahead_leaves_out_rows_their_token_surely_ends():
+    s = make(max_num_batched_tokens=16, max_num_seqs=4)
+    a, b = seq("a", 3, max_tokens=2), seq("b", 3, max_tokens=9)
+    s.add(a)
+    s.add(b)
+    step(s)  # one output token each: a's next is its last
+    plan = s.schedule()
+    ahead = s.plan_ahead(plan)
+    assert [r.seq.request_id for r in ahead.rows] == ["b"]
+    ups = s.update(plan, [50, 50])
+    assert a.status == FINISHED and ups[0].finish_reason == "length"
+    # a row stopped by its token (not foreseeable) is in the step ahead, and
+    # update drops it; its wasted position is never hashed
+    s2 = make(max_num_batched_tokens=16, bs=4)
+    c = seq("c", 7, max_tokens=9, stop=(99,))
+    s2.add(c)
+    step(s2)
+    plan = s2.schedule()
+    ahead = s2.plan_ahead(plan)
+    assert [r.seq.request_id for r in ahead.rows] == ["c"]
+    s2.update(plan, [99])
+    assert c.status == FINISHED and s2.update(ahead, [5]) == []
+    assert s2.alloc.num_free == s2.alloc.num_blocks

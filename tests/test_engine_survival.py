@@ -72,14 +72,17 @@ def test_a_row_that_breaks_the_batched_sampler_ends_only_its_request(eng, monkey
     """The test hook: the sampler raises whenever the marked request's row is
     in the batch, as a bug tied to one request's parameters would."""
     caplog.set_level(logging.ERROR, "mlxfast.engine")
-    real = sampler_mod.sample
+    real = sampler_mod.sample_async
 
     def faulty(logits, states, ahead=None):
         if any(s.params.seed == 666 for s in states):
             raise RuntimeError("injected sampler fault")
         return real(logits, states, ahead)
 
-    monkeypatch.setattr(engine_mod, "sample", faulty)
+    # every draw goes through sample_async: sample() (the row-by-row retry,
+    # steps with drafts) and the pipelined decode step, which calls it directly
+    monkeypatch.setattr(sampler_mod, "sample_async", faulty)
+    monkeypatch.setattr(engine_mod, "sample_async", faulty)
     bad = Request([5, 6, 7], greedy(4, seed=666, ignore_eos=True))
     results = run_all(eng, [good(), bad, good()])
     assert_survived(eng, results, 1, caplog, "injected sampler fault")

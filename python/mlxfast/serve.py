@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activations of the quantized matmuls: fp32 (default, exact: mlx-lm's numbers) "
                         "or int8 (opt-in, llama.cpp's Q8_1 scheme on the 4- and 8-bit layers: faster "
                         "on AVX-512 VNNI CPUs, a start-up error on others; quality in README)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="build each decode step while the previous one evaluates (default on; "
+                        "--no-async-scheduling runs the steps one after another)")
     p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens when a request omits it")
     p.add_argument("--temp", type=float, default=None, help="default temperature when a request omits it")
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
@@ -167,7 +170,8 @@ def _engine_config(args):
               "ssd_flush_timeout_s": args.ssd_flush_timeout,
               "ssd_restore_timeout_s": args.ssd_restore_timeout, "spec_kind": args.draft_kind,
               "num_draft_tokens": args.num_draft_tokens, "ngram_min": args.ngram_min,
-              "ngram_max": args.ngram_max, "draft_select": args.draft_select}
+              "ngram_max": args.ngram_max, "draft_select": args.draft_select,
+              "async_scheduling": args.async_scheduling}
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in wanted.items() if v is not None and k in names})
 

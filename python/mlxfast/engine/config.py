@@ -40,6 +40,9 @@ class EngineConfig:
     # Tensor parallelism: rank 0's engine.distributed.StepChannel (the model is
     # sharded, models/shard.py); None in one process
     tp_channel: object = None
+    # Build each plain decode step while the one before it evaluates
+    # (Scheduler.plan_ahead; vLLM's --async-scheduling)
+    async_scheduling: bool = True
     # Attention path: None = native kernel where available, else MLX reference
     native_attention: bool | None = None
     # SSD tier of the prefix cache (kv/ssd.py); None = off

@@ -41,7 +41,7 @@ from .config import EngineConfig
 from .metrics import RequestMetrics
 from .output import OutputProcessor
 from .runner import Runner
-from .sampler import Sampled, SamplingState, sample, score_tokens
+from .sampler import Sampled, SamplingState, sample, sample_async, score_tokens
 from .scheduler import Scheduler, Seq
 from .spec import Drafter, RowSpec, check_draft_model, speculation_allowed
 
@@ -196,11 +196,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._states: dict[str, _ReqState] = {}
+        self._ahead = None  # (plan, logits) of the next step, built ahead (Scheduler.plan_ahead)
         self.alive = False
         self.error: str | None = None
 
         self.metrics = RequestMetrics()  # the one source of request metrics (/stats, /metrics)
         self.num_steps = 0
+        self.num_steps_ahead = 0  # steps built while the one before evaluated
         self.spec_drafts = 0  # rows that carried drafts
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -289,6 +291,7 @@ class Engine:
             "kv_groups": self._group_stats(),
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
+            "num_steps_ahead": self.num_steps_ahead,
             "tensor_parallel_size": 1 if self.channel is None else self.channel.size,
             "ranks": self.ranks,  # per rank: parameter and KV pool bytes
             **({} if self.channel is None else {"tensor_parallel": self.channel.stats()}),
@@ -503,15 +506,21 @@ class Engine:
     def _step(self) -> None:
         sched = self.scheduler
         t0 = time.perf_counter()  # the step's cost, drafting included
-        plan = sched.schedule()
-        self.connector.save_evicted()  # before this step overwrites blocks the schedule evicted
-        if not plan.rows:
-            raise RuntimeError("scheduler produced an empty step with work pending")
-        logits = self.runner.run(plan)
+        if self._ahead is not None:  # built during the last step, already evaluating
+            (plan, logits), self._ahead = self._ahead, None
+        else:
+            plan = sched.schedule()
+            self.connector.save_evicted()  # before this step overwrites blocks the schedule evicted
+            if not plan.rows:
+                raise RuntimeError("scheduler produced an empty step with work pending")
+            logits = self.runner.run(plan)
         for row, scores in logits.scores:
             self._score_prompt(row, scores)
         rows = plan.sample_rows
-        results = self._verify(logits.sample, rows) if rows else []
+        if rows and self._can_pipeline():
+            results = self._sample_pipelined(plan, logits.sample)
+        else:
+            results = self._verify(logits.sample, rows) if rows else []
         if self.drafter is not None:  # what a step costs, for choosing the drafts worth verifying
             self.drafter.cost.observe(plan.num_tokens, time.perf_counter() - t0)
         by_seq = {r.seq: res for r, res in zip(rows, results)}
@@ -553,6 +562,50 @@ class Engine:
                 seq.score_prompt = False  # a recompute after preemption takes cache hits again
                 if seq.data.events:
                     seq.data.events[0].prompt_logprobs = [None, *seq.data.prompt_lps]
+
+    def _can_pipeline(self) -> bool:
+        """Whether the next step may be built while this one evaluates
+        (``Scheduler.plan_ahead`` decides which steps can): not with drafts
+        (they need the tokens), tensor parallelism (its step is evaluated on
+        every rank at once) or requests arriving (they are admitted next)."""
+        return (self.config.async_scheduling and self.drafter is None and self.channel is None
+                and not self._incoming and not self._stopping)
+
+    def _sample_pipelined(self, plan, logits) -> list[list[Sampled]]:
+        """Sample a plain decode step and, while its draw evaluates, build the
+        next step on the drawn tokens (vLLM's async scheduling); the next
+        step is queued once this one's tokens are known (queued earlier, its
+        KV writes would copy the pools this step still reads), so the host
+        work on them (update, output, events) overlaps its evaluation."""
+        rows = plan.sample_rows
+        states = [r.seq.data.sampling for r in rows]
+        try:
+            pending = sample_async(logits, states)
+        except Exception:  # noqa: BLE001  (a row's processing: _sample finds it)
+            return [[s] for s in self._sample(logits, states, [0] * len(rows),
+                                              [r.seq.request_id for r in rows])]
+        pool = self.pool.scheme
+        before = pool.arrays()  # what the pools were, should the draw fail
+        nxt = self.scheduler.plan_ahead(plan)
+        if nxt is not None:
+            self.connector.save_evicted()
+            where = {r.seq: i for i, r in enumerate(rows)}
+            idx = [where[r.seq] for r in nxt.rows]
+            tokens = pending.tokens if len(idx) == len(rows) else pending.tokens[mx.array(idx)]
+            nxt_logits = self.runner.run(nxt, inputs=tokens)
+        try:
+            flat = pending.collect()
+        except Exception:  # noqa: BLE001
+            if nxt is not None:  # drop the next step (unevaluated): the pools as they were;
+                pool.restore(before)  # its rows keep the blocks it grew, as their next step would
+            return [[s] for s in self._sample(logits, states, [0] * len(rows),
+                                              [r.seq.request_id for r in rows])]
+        del before
+        if nxt is not None:
+            mx.async_eval(nxt_logits.sample, *pool.arrays())
+            self._ahead = (nxt, nxt_logits)
+            self.num_steps_ahead += 1
+        return [[s] for s in flat]
 
     def _score_prompt(self, row, logits) -> None:
         seq, st = row.seq, row.seq.data

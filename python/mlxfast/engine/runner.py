@@ -40,8 +40,10 @@ class Runner:
         # the other ranks, which run the same call on their shards.
         self.channel = channel
 
-    def run(self, plan: StepPlan) -> StepLogits:
-        """The step's logits (lazy). With none to compute, the KV writes are evaluated here."""
+    def run(self, plan: StepPlan, inputs: mx.array | None = None) -> StepLogits:
+        """The step's logits (lazy). With none to compute, the KV writes are
+        evaluated here. ``inputs`` (``[T]`` ids, lazy) stands for the rows'
+        tokens when they are still being sampled (``Scheduler.plan_ahead``)."""
         tokens: list[int] = []
         seqs: list[SeqSlice] = []
         logit_rows: list[int] = []
@@ -49,7 +51,7 @@ class Runner:
         scored: list[tuple[Row, int, int]] = []  # (row, first index in logit_rows, count)
         for r in plan.rows:
             base = len(tokens)
-            tokens += r.seq.tokens[r.start:r.start + r.n]
+            tokens += r.seq.tokens[r.start:r.start + r.n] if inputs is None else [0] * r.n
             tokens += r.draft
             seqs.append(SeqSlice(r.seq.block_tables, r.start, r.num_tokens))
             if r.seq.score_prompt:
@@ -62,7 +64,10 @@ class Runner:
                 sample_at += range(len(logit_rows), len(logit_rows) + 1 + len(r.draft))
                 logit_rows += range(first, len(tokens))
         ctx = PagedContext(self.pool, seqs, native=self.native)
-        x = mx.array(np.array(tokens, np.int32)[:, None])  # [T, 1], no Reshape node
+        if inputs is None:
+            x = mx.array(np.array(tokens, np.int32)[:, None])  # [T, 1], no Reshape node
+        else:
+            x = inputs.astype(mx.int32).reshape(len(tokens), 1)
         if self.channel is not None:
             logits = self._run_parallel(tokens, seqs, x, ctx, logit_rows)
         elif not logit_rows:

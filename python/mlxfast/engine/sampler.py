@@ -155,6 +155,14 @@ def sample(logits: mx.array, states: list[SamplingState], ahead: list[int] | Non
     processing must not depend on the tokens in between:
     ``spec.speculation_allowed``; a grammar row samples only the position after
     its forced tokens, its grammar advanced past them)."""
+    return sample_async(logits, states, ahead).collect()
+
+
+def sample_async(logits: mx.array, states: list[SamplingState],
+                 ahead: list[int] | None = None) -> "PendingSample":
+    """``sample`` in two halves: the draw's graph, queued for evaluation now,
+    and ``collect()``, which waits for it. In between the engine builds the
+    next step's graph on ``PendingSample.tokens`` (still lazy)."""
     R, V = logits.shape
     ps = [s.params for s in states]
     errors: list[str | None] = [None] * R
@@ -170,27 +178,47 @@ def sample(logits: mx.array, states: list[SamplingState], ahead: list[int] | Non
         if k_top > 0:
             top_idx = mx.argpartition(-raw_lp, kth=k_top - 1, axis=-1)[:, :k_top]
             outs += [top_idx, mx.take_along_axis(raw_lp, top_idx, axis=-1)]
-    mx.eval(*outs)
-    toks = outs[0].tolist()
-    lps = outs[1].tolist() if want_lp else None
-    tops = (outs[2].tolist(), outs[3].tolist()) if want_lp and k_top > 0 else None
+    mx.async_eval(*outs)
+    return PendingSample(states, errors, outs, want_lp, k_top)
 
-    result = []
-    for i, (p, s) in enumerate(zip(ps, states)):
-        r = Sampled(int(toks[i]), error=errors[i])
-        if p.logprobs or p.top_logprobs:
-            r.logprob = float(lps[i])
-        if tops is not None and p.top_logprobs > 0:
-            pairs = sorted(zip(tops[0][i], tops[1][i]), key=lambda t: -t[1])
-            r.top_logprobs = [(int(t), float(v)) for t, v in pairs[:p.top_logprobs]]
-        if s.matcher is not None and r.error is None:
-            try:
-                if not s.matcher.consume_token(r.token) or s.matcher.is_error():
-                    r.error = f"grammar error: {s.matcher.get_error() or 'token rejected'}"
-            except Exception as e:  # noqa: BLE001
-                r.error = f"grammar error: {type(e).__name__}: {e}"
-        result.append(r)
-    return result
+
+@dataclass(eq=False)
+class PendingSample:
+    states: list[SamplingState]
+    errors: list[str | None]
+    outs: list[mx.array]  # tokens [R], then (with logprobs) their logprobs and the top k
+    want_lp: bool
+    k_top: int
+
+    @property
+    def tokens(self) -> mx.array:
+        """The drawn tokens ``[R]`` (lazy until ``collect``)."""
+        return self.outs[0]
+
+    def collect(self) -> list[Sampled]:
+        """Wait for the draw; report each row's token (a grammar row's
+        matcher consumes it)."""
+        outs, want_lp = self.outs, self.want_lp
+        toks = outs[0].tolist()
+        lps = outs[1].tolist() if want_lp else None
+        tops = (outs[2].tolist(), outs[3].tolist()) if want_lp and self.k_top > 0 else None
+        result = []
+        for i, s in enumerate(self.states):
+            p = s.params
+            r = Sampled(int(toks[i]), error=self.errors[i])
+            if p.logprobs or p.top_logprobs:
+                r.logprob = float(lps[i])
+            if tops is not None and p.top_logprobs > 0:
+                pairs = sorted(zip(tops[0][i], tops[1][i]), key=lambda t: -t[1])
+                r.top_logprobs = [(int(t), float(v)) for t, v in pairs[:p.top_logprobs]]
+            if s.matcher is not None and r.error is None:
+                try:
+                    if not s.matcher.consume_token(r.token) or s.matcher.is_error():
+                        r.error = f"grammar error: {s.matcher.get_error() or 'token rejected'}"
+                except Exception as e:  # noqa: BLE001
+                    r.error = f"grammar error: {type(e).__name__}: {e}"
+            result.append(r)
+        return result
 
 
 def _process(x: mx.array, states, ps, V: int, errors) -> mx.array:

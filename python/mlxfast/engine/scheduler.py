@@ -264,14 +264,16 @@ class Scheduler:
             for table in seq.block_tables:
                 table += self.alloc.allocate(n)
 
-    def _slide(self, seq: Seq) -> None:
+    def _slide(self, seq: Seq, pos: int | None = None) -> None:
         """Free, in each sliding group, the blocks wholly before the window of
-        the next position to compute: no later query of ``seq`` reads them."""
+        the next position to compute (``pos``, by default the first not
+        computed): no later query of ``seq`` reads them."""
         if not self._sliding:
             return
         bs = self.block_size
+        pos = seq.num_computed if pos is None else pos
         for g, w in self._sliding:
-            end = max(0, seq.num_computed - w + 1) // bs
+            end = max(0, pos - w + 1) // bs
             lo = seq.num_released[g]
             if end > lo:
                 table = seq.block_tables[g]
@@ -383,6 +385,38 @@ class Scheduler:
         if self.drafter is not None and budget > 0:
             self._draft(plan, budget)
         return plan
+
+    def plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The step after ``plan`` before its tokens are known (the engine
+        builds it while ``plan`` evaluates): each decoding row of ``plan``
+        again, one position on, its input the token ``plan`` is sampling.
+        Only where that is the step ``schedule`` would make whatever the
+        tokens are, short of a stop: every row of ``plan`` is a plain decode
+        (one known token, no draft, no prompt scoring), nothing waits to be
+        admitted, and the rows' next blocks are free (no preemption). Rows
+        whose sampled token surely ends them (max_tokens, the context) are
+        left out; a row that stops on its token anyway computes one wasted
+        position, whose KV lies past ``num_computed`` (never hashed) and
+        whose result ``update`` drops (the sequence is finished). None when
+        no such step exists."""
+        if (not plan.rows or plan.preempted or self.waiting or self.loading
+                or any(not r.sample or r.n != 1 or r.draft or r.seq.score_prompt for r in plan.rows)):
+            return None
+        rows, need = [], 0
+        for r in plan.rows:
+            seq = r.seq
+            pos = r.start + 1  # where the token being sampled goes
+            if (seq.status != RUNNING or seq.num_output + 1 >= seq.max_tokens
+                    or len(seq.tokens) + 1 >= self.max_model_len):
+                continue
+            need += self._need(seq, pos + 1)
+            rows.append(Row(seq, pos, 1, True))
+        if not rows or need > self.alloc.num_free:
+            return None
+        for row in rows:
+            self._slide(row.seq, row.start)
+            self._grow(row.seq, row.start + 1)
+        return StepPlan(rows)
 
     def _draft(self, plan: StepPlan, budget: int) -> None:
         """Drafts for decoding rows from what the step leaves: its budget,

@@ -116,6 +116,11 @@ class KVScheme:
         """Store k/v ``[..., Hkv, D]`` (T rows in the leading axes) at ``slots [T]``."""
         raise NotImplementedError
 
+    def restore(self, arrays: list[mx.array]) -> None:
+        """Rebind the storage to ``arrays`` (an earlier ``arrays()``): writes
+        built since, not yet evaluated, are dropped."""
+        raise NotImplementedError
+
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size,
                         window=0):
         """q ``[..., Hq, D]`` -> ``[..., Hq * D]`` (heads merged); ``window`` > 0:
@@ -147,6 +152,10 @@ class DenseScheme(KVScheme):
 
     def arrays(self):
         return self.keys + self.values
+
+    def restore(self, arrays):
+        n = len(self.keys)
+        self.keys[:], self.values[:] = arrays[:n], arrays[n:]
 
     def write(self, layer, slots, k, v):
         # Rebinding the list entries to the results leaves the previous arrays
@@ -182,6 +191,9 @@ class QuantScheme(KVScheme):
 
     def arrays(self):
         return list(self.data)
+
+    def restore(self, arrays):
+        self.data[:] = arrays
 
     def write(self, layer, slots, k, v):
         from .. import ops
