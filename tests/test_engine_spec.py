@@ -695,3 +695,29 @@ def test_the_gguf_drafts_for_its_float32_copy(default_model, tmp_path):
     assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
     s = stats["spec_decode"]
     assert s["num_accepted_tokens"] > 0.8 * s["num_draft_tokens"] > 0
+
+
+def test_steps_that_draft_nothing_are_built_ahead(model, tok, reference, monkeypatch):
+    """While drafting verifies nothing (prose), steps are built ahead (async
+    scheduling) but every fourth still asks the drafter, so drafting resumes
+    once it pays; the tokens are those of decoding without speculation."""
+    monkeypatch.setattr(spec_mod, "NgramProposer", Oracle)
+    Oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    calls = {"n": 0}
+
+    def select(candidates, *a):  # nothing pays for the first five rounds, then everything
+        calls["n"] += 1
+        return [0 if calls["n"] <= 5 else len(c) for c in candidates]
+
+    monkeypatch.setattr(spec_mod, "select", select)
+    res, stats = run(model, tok, [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS[:3]])
+    assert [toks for toks, _, _ in res] == reference[:3]
+    assert stats["num_steps_ahead"] >= 6  # rounds 3-5 were each followed by steps built ahead
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0  # drafting resumed
+    assert calls["n"] > 5
+    # with drafting off for good, at most three steps in four are built ahead
+    monkeypatch.setattr(spec_mod, "select", lambda candidates, *a: [0] * len(candidates))
+    res, stats = run(model, tok, [Request(PROMPTS[1], greedy(N, ignore_eos=True))])
+    assert res[0][0] == reference[1]
+    assert 0.5 * stats["num_steps"] < stats["num_steps_ahead"] <= 0.75 * stats["num_steps"]
+    assert stats["spec_decode"]["num_draft_tokens"] == 0

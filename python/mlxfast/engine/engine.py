@@ -197,6 +197,7 @@ class Engine:
         self._ready = threading.Event()
         self._states: dict[str, _ReqState] = {}
         self._ahead = None  # (plan, logits) of the next step, built ahead (Scheduler.plan_ahead)
+        self._ahead_run = 0  # steps in a row that were built ahead
         self.alive = False
         self.error: str | None = None
 
@@ -508,7 +509,9 @@ class Engine:
         t0 = time.perf_counter()  # the step's cost, drafting included
         if self._ahead is not None:  # built during the last step, already evaluating
             (plan, logits), self._ahead = self._ahead, None
+            self._ahead_run += 1
         else:
+            self._ahead_run = 0
             plan = sched.schedule()
             self.connector.save_evicted()  # before this step overwrites blocks the schedule evicted
             if not plan.rows:
@@ -517,7 +520,7 @@ class Engine:
         for row, scores in logits.scores:
             self._score_prompt(row, scores)
         rows = plan.sample_rows
-        if rows and self._can_pipeline():
+        if rows and not any(r.draft for r in rows) and self._can_pipeline():
             results = self._sample_pipelined(plan, logits.sample)
         else:
             results = self._verify(logits.sample, rows) if rows else []
@@ -566,10 +569,13 @@ class Engine:
     def _can_pipeline(self) -> bool:
         """Whether the next step may be built while this one evaluates
         (``Scheduler.plan_ahead`` decides which steps can): not with drafts
-        (they need the tokens), tensor parallelism (its step is evaluated on
-        every rank at once) or requests arriving (they are admitted next)."""
-        return (self.config.async_scheduling and self.drafter is None and self.channel is None
-                and not self._incoming and not self._stopping)
+        (they need the tokens: with speculative decoding only where drafting
+        has stopped paying, ``Drafter.may_skip``), tensor parallelism (its step
+        is evaluated on every rank at once) or requests arriving (they are
+        admitted next)."""
+        return (self.config.async_scheduling and self.channel is None
+                and not self._incoming and not self._stopping
+                and (self.drafter is None or self.drafter.may_skip(self._ahead_run)))
 
     def _sample_pipelined(self, plan, logits) -> list[list[Sampled]]:
         """Sample a plain decode step and, while its draw evaluates, build the
@@ -601,6 +607,10 @@ class Engine:
             return [[s] for s in self._sample(logits, states, [0] * len(rows),
                                               [r.seq.request_id for r in rows])]
         del before
+        if self.drafter is not None:  # score this step's proposals against its tokens
+            for r, res in zip(rows, flat):
+                if r.seq.data.spec is not None:
+                    self.drafter.verified(r.seq, r.start + r.n, [res.token], 0, 0)
         if nxt is not None:
             mx.async_eval(nxt_logits.sample, *pool.arrays())
             self._ahead = (nxt, nxt_logits)

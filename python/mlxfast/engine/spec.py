@@ -281,6 +281,7 @@ class Drafter:
         self.select_all = select_all  # verify every proposed token (--draft-select all)
         self.cost = StepCost()
         self.lookup = MatchAcceptance()  # prompt lookup's acceptance, by match length
+        self.plain_steps = 0  # consecutive drafting rounds that verified nothing
 
     def draft(self, rows: list[tuple[object, int]], tokens: int, sampled: int) -> list[list[int]]:
         """Drafts for ``(seq, at most k)`` rows of a step that computes
@@ -317,7 +318,20 @@ class Drafter:
             sp.proposed_at = len(seq.tokens)
             if not out[i] and self.draft_model is not None:
                 sp.acceptance.idle()
+        self.plain_steps = 0 if any(out) else self.plain_steps + 1
         return out
+
+    def may_skip(self, skipped: int) -> bool:
+        """Whether the next step may go undrafted, built ahead (the engine's
+        async scheduling), after ``skipped`` such steps in a row: prompt
+        lookup only, while the recent rounds verified nothing (prose), and
+        not more than PROBE_EVERY - 1 in a row, so that a row that starts
+        copying drafts again within a few tokens."""
+        return (self.draft_model is None and self.plain_steps >= self.PLAIN_BEFORE_SKIP
+                and skipped < self.PROBE_EVERY - 1)
+
+    PLAIN_BEFORE_SKIP = 2
+    PROBE_EVERY = 4
 
     def verified(self, seq, old_len: int, produced: list[int], drafted: int, accepted: int) -> None:
         """A step's outcome for a row it drafted for, or proposed to: the
