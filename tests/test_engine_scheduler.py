@@ -460,3 +460,26 @@ def test_plan_ahead_leaves_out_rows_their_token_surely_ends():
     s2.update(plan, [99])
     assert c.status == FINISHED and s2.update(ahead, [5]) == []
     assert s2.alloc.num_free == s2.alloc.num_blocks
+
+
+def test_plan_ahead_with_a_full_batch_and_a_queue():
+    """Sequences waiting for a batch slot while every slot is taken do not
+    stop the step ahead; one that could be admitted does."""
+    s = make(max_num_batched_tokens=16, max_num_seqs=2)
+    a, b, c = seq("a", 3, max_tokens=9), seq("b", 3, max_tokens=9), seq("c", 3, max_tokens=9)
+    for x in (a, b, c):
+        s.add(x)
+    step(s)  # a and b run, c waits for a slot
+    plan = s.schedule()
+    assert [r.seq.request_id for r in plan.rows] == ["a", "b"] and s.waiting[0] is c
+    ahead = s.plan_ahead(plan)
+    assert [r.seq.request_id for r in ahead.rows] == ["a", "b"]
+    s.update(plan, [50, 50])
+    s.update(ahead, [51, 51])
+    s.finish(b, "stop")  # a slot frees: c can be admitted, so no step is built ahead
+    plan = s.schedule()
+    assert [r.seq.request_id for r in plan.rows] == ["a", "c"]
+    s.update(plan, [52, 53])
+    s.add(seq("d", 3))
+    plan = s.schedule()
+    assert s.plan_ahead(plan) is not None  # d waits for a slot: the batch is full

@@ -571,10 +571,10 @@ class Engine:
         (``Scheduler.plan_ahead`` decides which steps can): not with drafts
         (they need the tokens: with speculative decoding only where drafting
         has stopped paying, ``Drafter.may_skip``), tensor parallelism (its step
-        is evaluated on every rank at once) or requests arriving (they are
-        admitted next)."""
+        is evaluated on every rank at once) or requests arriving while a batch
+        slot is free (they are admitted next)."""
         return (self.config.async_scheduling and self.channel is None
-                and not self._incoming and not self._stopping
+                and not (self._incoming and not self.scheduler.batch_full()) and not self._stopping
                 and (self.drafter is None or self.drafter.may_skip(self._ahead_run)))
 
     def _sample_pipelined(self, plan, logits) -> list[list[Sampled]]:

@@ -386,20 +386,26 @@ class Scheduler:
             self._draft(plan, budget)
         return plan
 
+    def batch_full(self) -> bool:
+        return len(self.running) >= self.max_num_seqs
+
     def plan_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The step after ``plan`` before its tokens are known (the engine
         builds it while ``plan`` evaluates): each decoding row of ``plan``
         again, one position on, its input the token ``plan`` is sampling.
         Only where that is the step ``schedule`` would make whatever the
         tokens are, short of a stop: every row of ``plan`` is a plain decode
-        (one known token, no draft, no prompt scoring), nothing waits to be
-        admitted, and the rows' next blocks are free (no preemption). Rows
+        (one known token, no draft, no prompt scoring), nothing waits that
+        could be admitted (a sequence waiting for a batch slot while every
+        slot is taken is admitted one step later than it would be, if a row
+        ends on this step's token), and the rows' next blocks are free (no
+        preemption). Rows
         whose sampled token surely ends them (max_tokens, the context) are
         left out; a row that stops on its token anyway computes one wasted
         position, whose KV lies past ``num_computed`` (never hashed) and
         whose result ``update`` drops (the sequence is finished). None when
         no such step exists."""
-        if (not plan.rows or plan.preempted or self.waiting or self.loading
+        if (not plan.rows or plan.preempted or not self.batch_full() and (self.waiting or self.loading)
                 or any(not r.sample or r.n != 1 or r.draft or r.seq.score_prompt for r in plan.rows)):
             return None
         rows, need = [], 0
