@@ -245,6 +245,7 @@ class Liveness:
         self.closing = False  # set before a clean stop: EOFs are expected then
         self._socks: dict[int, socket.socket] = {}
         self._bells = threading.Semaphore(0)  # a follower: rank 0's "a message follows", one per byte
+        self.rung = False  # a follower: rank 0 has rung at least once (it knows this link)
         srv = None
         ip = port = 0
         if self.rank == 0:
@@ -312,6 +313,8 @@ class Liveness:
                 except OSError:
                     data = b""
                 if data:
+                    if self.rank:
+                        self.rung = True
                     for _ in range(len(data) if self.rank else 0):
                         self._bells.release()
                     continue
@@ -429,11 +432,16 @@ class StepChannel:
 
     def recv(self) -> tuple[int, np.ndarray]:
         if self.liveness is not None and self.liveness.linked:
-            # Sleep until rank 0 rings (it pings every heartbeat when idle);
-            # a link rank 0 does not know of never rings: after a few
-            # heartbeats' silence, wait in the collective as without a link.
-            for _ in range(3):
-                if self.liveness.wait_bell(max(self.heartbeat_s, 0.1)):
+            # Sleep until rank 0 rings (it pings every heartbeat when idle).
+            # A link rank 0 does not know of never rings: until its first
+            # bell, after a few heartbeats' silence, wait in the collective as
+            # without a link. Once it has rung, a late bell (a loaded machine)
+            # is waited for: falling back then busy-polled an idle follower;
+            # a rank 0 that hangs is the guard's watchdog's to report.
+            silent = 0
+            while not self.liveness.wait_bell(max(self.heartbeat_s, 0.1)):
+                silent += 1
+                if not self.liveness.rung and silent >= 3:
                     break
         buf = self._reduce(np.zeros(CAPACITY, np.int32))
         kind, n = int(buf[0]), int(buf[1])
