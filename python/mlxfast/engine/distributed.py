@@ -41,6 +41,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ _KINDS = {SETUP: "setup", STEP: "step", PING: "ping", STOP: "stop", KV_READ: "kv
 BYTES_CHUNK = 256 << 10  # per rank and collective when blocks' bytes travel (see models/shard.py)
 CAPACITY = 4096  # int32 per message's first collective (16 KiB costs what 64 bytes do: ~70 us)
 _HEAD = 2  # kind, payload length
+_BELL = struct.Struct("<Q")  # rank 0's "message n follows", on the liveness link
 
 LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_WORLD_SIZE")
 
@@ -244,8 +246,13 @@ class Liveness:
         self.on_lost = on_lost
         self.closing = False  # set before a clean stop: EOFs are expected then
         self._socks: dict[int, socket.socket] = {}
-        self._bells = threading.Semaphore(0)  # a follower: rank 0's "a message follows", one per byte
-        self.rung = False  # a follower: rank 0 has rung at least once (it knows this link)
+        # A follower: the highest message number rank 0 has rung for. A bell
+        # names its message, so one the follower did not wait for (it went
+        # into the collective after a silence) cannot be taken for the next
+        # message's: counted bells were then one ahead for good, and the
+        # follower busy-polled in every idle collective.
+        self._bell = threading.Condition()
+        self.rung_upto = 0
         srv = None
         ip = port = 0
         if self.rank == 0:
@@ -301,6 +308,7 @@ class Liveness:
         import select
 
         socks = dict(self._socks)
+        pending = b""  # a follower: a bell's bytes split across reads
         while socks:
             try:
                 ready, _, _ = select.select(list(socks.values()), [], [])
@@ -314,9 +322,10 @@ class Liveness:
                     data = b""
                 if data:
                     if self.rank:
-                        self.rung = True
-                    for _ in range(len(data) if self.rank else 0):
-                        self._bells.release()
+                        data = pending + data
+                        whole = len(data) // _BELL.size * _BELL.size
+                        self._heard(data[:whole])
+                        pending = data[whole:]
                     continue
                 del socks[r]
                 if not self.closing:
@@ -326,19 +335,36 @@ class Liveness:
     def linked(self) -> bool:
         return bool(self._socks)
 
-    def ring(self) -> None:
-        """Rank 0, before each message: a byte to every linked rank, so that
-        a waiting follower sleeps on its socket instead of busy-polling in
-        the backend's collective (the ring backend's threads spin while a
-        transfer is pending: an idle follower took a whole core)."""
+    def _heard(self, data: bytes) -> None:
+        n = len(data) // _BELL.size
+        if n:
+            last = _BELL.unpack_from(data, (n - 1) * _BELL.size)[0]
+            with self._bell:
+                self.rung_upto = max(self.rung_upto, last)
+                self._bell.notify_all()
+
+    @property
+    def rung(self) -> bool:
+        """A follower: rank 0 has rung at least once (it knows this link)."""
+        return self.rung_upto > 0
+
+    def ring(self, message: int) -> None:
+        """Rank 0, before message number ``message`` (1, 2, ...): its number
+        to every linked rank, so that a waiting follower sleeps on its socket
+        instead of busy-polling in the backend's collective (the ring
+        backend's threads spin while a transfer is pending: an idle follower
+        took a whole core)."""
+        bell = _BELL.pack(message)
         for sock in self._socks.values():
             try:
-                sock.sendall(b"\x01")
+                sock.sendall(bell)
             except OSError:
                 pass  # a closed link: the monitor thread reports it
 
-    def wait_bell(self, timeout: float) -> bool:
-        return self._bells.acquire(timeout=timeout)
+    def wait_bell(self, message: int, timeout: float) -> bool:
+        """A follower: whether rank 0 has rung for message ``message`` within ``timeout``."""
+        with self._bell:
+            return self._bell.wait_for(lambda: self.rung_upto >= message, timeout=timeout)
 
     def close(self) -> None:
         self.closing = True
@@ -424,7 +450,7 @@ class StepChannel:
         first = min(n, CAPACITY - _HEAD)
         buf[_HEAD:_HEAD + first] = payload[:first]
         if self.liveness is not None:
-            self.liveness.ring()
+            self.liveness.ring(self.messages + 1)
         self._reduce(buf)
         if n > first:
             self._reduce(payload[first:])
@@ -432,14 +458,15 @@ class StepChannel:
 
     def recv(self) -> tuple[int, np.ndarray]:
         if self.liveness is not None and self.liveness.linked:
-            # Sleep until rank 0 rings (it pings every heartbeat when idle).
-            # A link rank 0 does not know of never rings: until its first
-            # bell, after a few heartbeats' silence, wait in the collective as
-            # without a link. Once it has rung, a late bell (a loaded machine)
-            # is waited for: falling back then busy-polled an idle follower;
-            # a rank 0 that hangs is the guard's watchdog's to report.
+            # Sleep until rank 0 rings for this message (it pings every
+            # heartbeat when idle). A link rank 0 does not know of never
+            # rings: until its first bell, after a few heartbeats' silence,
+            # wait in the collective as without a link (rank 0 can be slow to
+            # send its first message: it builds the engine first). Once it has
+            # rung, a late bell (a loaded machine) is waited for; a rank 0 that
+            # hangs is the guard's watchdog's to report.
             silent = 0
-            while not self.liveness.wait_bell(max(self.heartbeat_s, 0.1)):
+            while not self.liveness.wait_bell(self.messages + 1, max(self.heartbeat_s, 0.1)):
                 silent += 1
                 if not self.liveness.rung and silent >= 3:
                     break
