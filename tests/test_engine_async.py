@@ -23,6 +23,10 @@ def model():
 def engine(model, **kw):
     kw.setdefault("num_blocks", 128)
     kw.setdefault("block_size", 8)
+    # float32 KV: float16 rounding turns the last-bit differences of rows
+    # batched differently (arrivals vary run to run) into logprob changes
+    # of ~1e-3 (measured), which would hide what async scheduling changes.
+    kw.setdefault("kv_dtype", "float32")
     return Engine(model, ToyTokenizer(), EngineConfig(**kw)).start()
 
 
