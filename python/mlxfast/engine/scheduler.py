@@ -399,12 +399,11 @@ class Scheduler:
         could be admitted (a sequence waiting for a batch slot while every
         slot is taken is admitted one step later than it would be, if a row
         ends on this step's token), and the rows' next blocks are free (no
-        preemption). Rows
-        whose sampled token surely ends them (max_tokens, the context) are
-        left out; a row that stops on its token anyway computes one wasted
-        position, whose KV lies past ``num_computed`` (never hashed) and
-        whose result ``update`` drops (the sequence is finished). None when
-        no such step exists."""
+        preemption). Rows whose sampled token surely ends them (max_tokens,
+        the context) are left out; a row that stops on its token anyway
+        computes one wasted position, whose KV lies past ``num_computed``
+        (never hashed) and whose result ``update`` drops (the sequence is
+        finished). None when no such step exists."""
         if (not plan.rows or plan.preempted or not self.batch_full() and (self.waiting or self.loading)
                 or any(not r.sample or r.n != 1 or r.draft or r.seq.score_prompt for r in plan.rows)):
             return None
