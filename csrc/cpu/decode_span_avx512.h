@@ -11,17 +11,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu/span_seg.h"
 #include "cpu/vec_exp.h"
 
 namespace mlxfast {
 namespace {
-
-// One block's keys inside a span: their first slot, how many, and where
-// their scores sit in the span's score rows.
-struct SpanSeg {
-  int64_t slot0;
-  int nk, off;
-};
 
 // Online-softmax step for R rows over a span's n scores (row r at
 // S + r * sp, -inf where masked): the span's exp(s - m_new) replace the

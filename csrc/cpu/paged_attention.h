@@ -151,6 +151,21 @@ inline void prefetch_rows(const char* base, int64_t first_row_bytes_off, int row
       __builtin_prefetch(base + first_row_bytes_off + r * row_stride + o);
 }
 
+// Tiles: runs of up to kTile consecutive tokens with the same sequence, as
+// token offsets tiles[0 .. n] (tiles has room for T + 1); returns n.
+inline int64_t make_tiles(const Args& a, int64_t* tiles) {
+  int64_t nt = 0;
+  for (int64_t t = 0; t < a.T; ++t) {
+    if (t == 0 || a.seq_idx[t] != a.seq_idx[t - 1] || t - tiles[nt - 1] >= kTile) tiles[nt++] = t;
+  }
+  tiles[nt] = a.T;
+  return nt;
+}
+
+// Position i of a run over n tiles, alternating light and heavy tiles (later
+// tiles of a sequence see more keys), so that contiguous ranges balance.
+inline int64_t interleaved_tile(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 // An ISA file may take over some work items (a tile of tokens t0..t1 of one
 // sequence against kv head kh) with a faster kernel; it returns false to
 // leave the item to the generic one.
@@ -186,9 +201,8 @@ struct Kernel {
     const int64_t NT = c.n_tiles;
     for (int64_t it = begin; it < end; ++it) {
       // Alternate light and heavy tiles across the range (later tiles see more keys).
-      int64_t ti = it / a.Hkv;
+      const int64_t ti = interleaved_tile(it / a.Hkv, NT);
       const int kh = static_cast<int>(it % a.Hkv);
-      ti = (ti % 2 == 0) ? ti / 2 : NT - 1 - ti / 2;
       const int64_t t0 = c.tiles[ti], t1 = c.tiles[ti + 1];
       if (c.fast != nullptr && c.fast(a, t0, t1, kh)) continue;
       const int nq = static_cast<int>(t1 - t0);
@@ -280,14 +294,8 @@ struct Kernel {
   }
 
   static void run(const Args& a, ItemFn fast = nullptr) {
-    // Tiles: runs of up to kTile consecutive tokens with the same sequence.
     int64_t* tiles = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.T + 1)));
-    int64_t nt = 0;
-    for (int64_t t = 0; t < a.T; ++t) {
-      if (t == 0 || a.seq_idx[t] != a.seq_idx[t - 1] || t - tiles[nt - 1] >= kTile)
-        tiles[nt++] = t;
-    }
-    tiles[nt] = a.T;
+    const int64_t nt = make_tiles(a, tiles);
     Ctx c{&a, tiles, nt, fast};
     parallel_for(nt * a.Hkv, 1, &Kernel::run_range, &c);
     std::free(tiles);

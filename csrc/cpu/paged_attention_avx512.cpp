@@ -21,6 +21,7 @@
 #include "cpu/paged_attention.h"
 #include "cpu/decode_span_avx512.h"
 #include "cpu/reduce_avx512.h"
+#include "cpu/split_decode.h"
 #include "cpu/vec_exp.h"
 
 namespace mlxfast {
@@ -321,80 +322,19 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
   write_rows(a, t0, kh, R, acc, l);
 }
 
-// One decode row over a long context: its kv heads alone are too few work
-// items for the pool (3 heads on 2 threads leave one idle a third of the
-// time), so each head's blocks are split into ranges of whole spans, run in
-// parallel, and the partial softmax states merged (flash-decoding).
-constexpr int64_t kSplitMinKeys = 1024;
-// Head dim 256 costs 4x per key what 64 does: splitting pays from 256 keys
-// (a 512-key sliding window, 1 kv head: 1.7x on 2 threads, measured).
-constexpr int64_t kSplitMinKeys256 = 256;
-constexpr int kSplitItems = 8;
-thread_local Scratch tl_part;
-
-struct SplitCtx {
-  const Args* a;
-  int64_t first_block, blocks_per_split;
-  int splits, R;
-  float* parts;  // [Hkv][splits][R * D + 2R]
+// One kv head per decode item, for split_decode (cpu/split_decode.h).
+struct Tiles {
+  static int heads_per_item(const Args&) { return 1; }
+  static int64_t span_blocks(int bs) { return bs >= kDecodeSpan ? 1 : kDecodeSpan / bs; }
+  // Head dim 256 costs 4x per key what 64 does: splitting pays from 256 keys
+  // (a 512-key sliding window, 1 kv head: 1.7x on 2 threads, measured).
+  static int64_t split_min_keys(int D) { return D >= 256 ? 256 : 1024; }
+  template <int D>
+  static void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int /*kh1*/,
+                          int64_t b_begin, int64_t b_end, float* part) {
+    pa::decode_tile<D>(a, t0, t1, kh0, b_begin, b_end, part);
+  }
 };
-
-template <int D>
-void split_range(void* vctx, int64_t i0, int64_t i1) {
-  const SplitCtx& c = *static_cast<const SplitCtx*>(vctx);
-  for (int64_t i = i0; i < i1; ++i) {
-    const int kh = static_cast<int>(i / c.splits), sp = static_cast<int>(i % c.splits);
-    decode_tile<D>(*c.a, 0, 1, kh, c.first_block + sp * c.blocks_per_split,
-                   c.first_block + (sp + 1) * c.blocks_per_split,
-                   c.parts + i * (c.R * D + 2 * c.R));
-  }
-}
-
-template <int D>
-bool split_decode(const Args& a) {
-  const int G = a.Hq / a.Hkv, bs = a.bs;
-  if (a.T != 1 || G >= 16 || a.Hkv >= kSplitItems) return false;
-  const int32_t s = a.seq_idx[0];
-  if (s < 0 || s >= a.S) return false;
-  int64_t p = a.pos[0];
-  const int64_t lo = key_lo(a.window, p);
-  if (p > a.B * bs - 1) p = a.B * bs - 1;
-  if (p - lo + 1 < (D >= 256 ? kSplitMinKeys256 : kSplitMinKeys)) return false;  // keys in range
-  // Split the blocks from the window's first one (earlier ones are never read).
-  const int64_t b_first = lo / bs, n_blocks = p / bs + 1 - b_first;
-  const int64_t span_blocks = bs >= kDecodeSpan ? 1 : kDecodeSpan / bs;
-  const int64_t spans = (n_blocks + span_blocks - 1) / span_blocks;
-  int splits = (kSplitItems + a.Hkv - 1) / a.Hkv;
-  if (splits > spans) splits = static_cast<int>(spans);
-  const int R = G, stride = R * D + 2 * R;
-  SplitCtx c{&a, b_first, (spans + splits - 1) / splits * span_blocks, splits, R,
-             tl_part.get(static_cast<size_t>(a.Hkv) * splits * stride)};
-  parallel_for(static_cast<int64_t>(a.Hkv) * splits, 1, &split_range<D>, &c);
-  float acc[16 * D], l[16];
-  for (int kh = 0; kh < a.Hkv; ++kh) {
-    const float* pk = c.parts + static_cast<int64_t>(kh) * splits * stride;
-    for (int r = 0; r < R; ++r) {
-      float mx = -INFINITY;
-      for (int sp = 0; sp < splits; ++sp) {
-        const float ms = pk[sp * stride + R * D + r];
-        mx = ms > mx ? ms : mx;
-      }
-      l[r] = 0.f;
-      std::memset(acc + r * D, 0, sizeof(float) * D);
-      if (mx == -INFINITY) continue;
-      for (int sp = 0; sp < splits; ++sp) {
-        const float* ps = pk + sp * stride;
-        const float ms = ps[R * D + r];
-        if (ms == -INFINITY) continue;
-        const float w = std::exp(ms - mx);
-        l[r] += w * ps[R * D + R + r];
-        for (int d = 0; d < D; ++d) acc[r * D + d] += w * ps[r * D + d];
-      }
-    }
-    write_rows(a, 0, kh, R, acc, l);
-  }
-  return true;
-}
 
 template <int D>
 void item(const Args& a, int64_t t0, int64_t t1, int kh) {
@@ -415,8 +355,9 @@ bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
 }  // namespace
 
 void run_avx512(const Args& a) {
-  if (a.D == a.Dv && ((a.D == 64 && split_decode<64>(a)) || (a.D == 128 && split_decode<128>(a)) ||
-                      (a.D == 256 && split_decode<256>(a)))) {
+  if (a.D == a.Dv && ((a.D == 64 && split_decode<64, Tiles>(a)) ||
+                      (a.D == 128 && split_decode<128, Tiles>(a)) ||
+                      (a.D == 256 && split_decode<256, Tiles>(a)))) {
     return;
   }
   Kernel<16>::run(a, &fast_item);
