@@ -145,7 +145,8 @@ native = pytest.mark.skipif(not ops.has_native_paged_attention(), reason="no nat
 
 @native
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 64), (9, 3, 64), (8, 2, 32), (12, 3, 128), (4, 1, 256)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 64), (9, 3, 64), (8, 2, 32), (12, 3, 128), (4, 1, 256),
+                                     (64, 8, 128), (40, 10, 64)])
 def test_native_matches_reference(dtype, Hq, Hkv, D):
     for trial, bs in enumerate([1, 4, 16, 32]):
         rng = random.Random(trial * 31 + Hq + D)
@@ -261,12 +262,15 @@ def test_native_long_decode_every_block_size(path, bs, D):
 @native
 @pytest.mark.parametrize("bs,n_ctx", [(16, 1024), (16, 1500), (256, 3000), (1, 1100), (512, 2000)])
 @pytest.mark.parametrize("Hq,Hkv,D,dtype", [(9, 3, 64, mx.float32), (8, 2, 128, mx.float16),
-                                            (4, 1, 256, mx.float32), (8, 2, 256, mx.bfloat16)])
+                                            (4, 1, 256, mx.float32), (8, 2, 256, mx.bfloat16),
+                                            (64, 8, 128, mx.float16), (40, 10, 64, mx.float32)])
 def test_native_single_row_long_context(path, bs, n_ctx, Hq, Hkv, D, dtype):
-    """One decode row over a long context: AVX-512 splits each kv head's
-    blocks across the pool (flash-decoding) and merges the partial softmax
-    states; every path against the reference, with a block left unused at the
-    end of the table and keys beyond the row's position that must be ignored."""
+    """One decode row over a long context: the x86 kernels split the blocks
+    of each kv head (AVX-512) or head group (AVX2: up to 32 query rows, so
+    64/8 and 40/10 heads make several groups, the last one smaller) across the
+    pool (flash-decoding) and merge the partial softmax states; every path
+    against the reference, with a block left unused at the end of the table
+    and keys beyond the row's position that must be ignored."""
     rng = random.Random(bs + n_ctx + D)
     mx.random.seed(n_ctx)
     nb = -(-(n_ctx + 5) // bs) + 1
