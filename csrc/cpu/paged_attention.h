@@ -118,6 +118,25 @@ inline int64_t key_lo(int window, int64_t p) {
   return lo > 0 ? lo : 0;
 }
 
+// The key ranges of tokens t0 .. t0+nq-1 of a tile: token j attends keys
+// qlo[j] .. qpos[j] (its position, clamped to the table). Returns the tile's
+// key count (the largest qpos + 1) and its earliest first key.
+struct TileKeys {
+  int64_t n_keys, lo_min;
+};
+inline TileKeys tile_keys(const Args& a, int64_t t0, int nq, int64_t* qpos, int64_t* qlo) {
+  TileKeys k{0, INT64_MAX};
+  for (int j = 0; j < nq; ++j) {
+    int64_t p = static_cast<int64_t>(a.pos[t0 + j]);
+    qlo[j] = key_lo(a.window, p);
+    k.lo_min = qlo[j] < k.lo_min ? qlo[j] : k.lo_min;
+    if (p > a.B * a.bs - 1) p = a.B * a.bs - 1;
+    qpos[j] = p;
+    if (p + 1 > k.n_keys) k.n_keys = p + 1;
+  }
+  return k;
+}
+
 // out[t0 + r / G][kh * G + r % G] = acc[r] / l[r] for the tile's rows r
 // (a row that saw no key gets zeros), in the output dtype.
 inline void write_rows(const Args& a, int64_t t0, int kh, int rows, const float* acc,
@@ -208,15 +227,7 @@ struct Kernel {
       const int nq = static_cast<int>(t1 - t0);
       const int32_t s = a.seq_idx[t0];
       const bool valid = s >= 0 && s < a.S;
-      int64_t n_keys = 0, lo_min = INT64_MAX;
-      for (int j = 0; j < nq; ++j) {
-        int64_t p = static_cast<int64_t>(a.pos[t0 + j]);
-        qlo[j] = key_lo(a.window, p);
-        lo_min = qlo[j] < lo_min ? qlo[j] : lo_min;
-        if (p > a.B * bs - 1) p = a.B * bs - 1;
-        qpos[j] = p;
-        if (p + 1 > n_keys) n_keys = p + 1;
-      }
+      const auto [n_keys, lo_min] = tile_keys(a, t0, nq, qpos, qlo);
       const int rows = nq * G;
       for (int j = 0; j < nq; ++j)
         for (int g = 0; g < G; ++g) {

@@ -117,15 +117,7 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
   int64_t qpos[16], qlo[16];
   const int32_t s = a.seq_idx[t0];
   const bool valid = s >= 0 && s < a.S;
-  int64_t n_keys = 0, lo_min = INT64_MAX;
-  for (int j = 0; j < nq; ++j) {
-    int64_t p = a.pos[t0 + j];
-    qlo[j] = key_lo(a.window, p);
-    lo_min = qlo[j] < lo_min ? qlo[j] : lo_min;
-    if (p > a.B * bs - 1) p = a.B * bs - 1;
-    qpos[j] = p;
-    if (p + 1 > n_keys) n_keys = p + 1;
-  }
+  const auto [n_keys, lo_min] = tile_keys(a, t0, nq, qpos, qlo);
   for (int r = 0; r < R; ++r) {
     const int j = r / G, h = kh * G + r % G;
     const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
