@@ -10,7 +10,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
+#include "common/scratch.h"
 #include "cpu/span_seg.h"
 #include "cpu/vec_exp.h"
 
@@ -141,6 +143,117 @@ inline void pv_rows(const Values& values, const SpanSeg* segs, int nseg, const f
     const int rg = R - r0 < kPvRows ? R - r0 : kPvRows;
     for (int c0 = 0; c0 < DV; c0 += kPvCols)
       pv_span<DV, kPvCols, kPvRows>(values, segs, nseg, S, si, sr, r0, rg, c0, alpha, acc);
+  }
+}
+
+// Key indices key0 + lane masked out (all ones) where they fall after qpos,
+// before qlo or at lane >= nvalid.
+inline __m256 out_of_range(__m256i kidx, __m256i qpos, __m256i qlo, __m256i valid_lanes) {
+  const __m256i after = _mm256_cmpgt_epi32(kidx, qpos);
+  const __m256i before = _mm256_cmpgt_epi32(qlo, kidx);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_or_si256(after, before), valid_lanes));
+}
+
+// A decode tile's rows and buffers: nh kv heads x Rh query rows each
+// (R = nh * Rh, ordered by head, then token, then query head). The caller
+// fills qf [R][D] (the rows' queries, scaled) and qpos/qlo per token;
+// decode_spans fills acc [R][D] (unnormalised), m [R] and l [R].
+struct DecodeRows {
+  int nh, Rh, G, R, span_blocks;
+  int64_t spanp;  // a row's score stride in St (one span of keys + slack)
+  float *qf, *St, *acc, *m, *l, *alpha, *kb;
+  SpanSeg* segs;
+  int64_t qpos[16], qlo[16];
+
+  DecodeRows(Scratch& buf, int D, int nh_, int Rh_, int G_, int bs, int span_keys)
+      : nh(nh_), Rh(Rh_), G(G_), R(nh_ * Rh_), span_blocks(bs >= span_keys ? 1 : span_keys / bs) {
+    spanp = (static_cast<int64_t>(span_blocks) * bs + 31) / 16 * 16;  // + 16 slack
+    const int Rm = ((R > 8 ? R : 8) + 7) & ~7;  // keeps kb 32-byte aligned
+    // qf [R][D], St [R][spanp], acc [R][D], m, l, alpha [Rm], kb [8][D] (the
+    // pool's tile of 8 keys), segs
+    qf = buf.get(static_cast<size_t>(2 * R * D + R * spanp + 3 * Rm + 8 * D) +
+                 sizeof(SpanSeg) * span_blocks / sizeof(float) + 16);
+    St = qf + R * D;
+    acc = St + static_cast<size_t>(R) * spanp;
+    m = acc + static_cast<size_t>(R) * D;
+    l = m + Rm;
+    alpha = l + Rm;
+    kb = alpha + Rm;
+    segs = reinterpret_cast<SpanSeg*>(kb + 8 * D);
+    for (int r = 0; r < R; ++r) {
+      m[r] = -INFINITY;
+      l[r] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * R * D);
+  }
+};
+
+// Row r's scores of 8 keys (their rows in fp32 in t.kb, [8][D]): 8 dot
+// products reduced together.
+template <int D>
+inline __m256 float_score8(const DecodeRows& t, int r) {
+  __m256 part8[8];
+  for (int k = 0; k < 8; ++k) part8[k] = _mm256_setzero_ps();
+  for (int v = 0; v < D / 8; ++v) {
+    const __m256 qv = _mm256_load_ps(t.qf + r * D + v * 8);
+    for (int k = 0; k < 8; ++k) part8[k] = _mm256_fmadd_ps(qv, _mm256_load_ps(t.kb + k * D + v * 8), part8[k]);
+  }
+  return reduce8x8(part8);
+}
+
+// The key loop of a decode tile over blocks [bb, be) of a sequence's table:
+// per 8 keys of a head, each row's 8 scores from the pool, masked; online
+// softmax per span; P.V with the rows' outputs in
+// registers. The pool supplies
+//   slot_ok(blk)             whether a table entry names a block in the pool
+//   prefetch(blk)            the rows of a block read next
+//   keys8(slot, hh, nv, kb)  head hh's keys at slot .. slot + 7 (nv of them
+//                            valid) into the tile kb ([8][D] floats), in the
+//                            pool's own form (fp32 rows for float_score8)
+//   score8(t, r)             row r's 8 scores of the keys in t.kb (unmasked)
+//   pv(hh, segs, nseg, P, sp, Rh, alpha, acc)
+//                            head hh's rows' acc = alpha * acc + P.V over
+//                            the span's segments (P [Rh][sp]; pv_rows with
+//                            the pool's value source, or a quantized pool's
+//                            own form)
+template <int D, class Pool>
+inline void decode_spans(const Pool& pool, const int32_t* table, int bs, int64_t bb, int64_t be,
+                         int64_t n_keys, DecodeRows& t) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t b0 = bb; b0 < be; b0 += t.span_blocks) {
+    const int64_t b1 = b0 + t.span_blocks < be ? b0 + t.span_blocks : be;
+    int nseg = 0, n = 0;  // n: scores in the span so far
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t blk = table[b];
+      if (!pool.slot_ok(blk)) continue;
+      if (b + 1 < be && pool.slot_ok(table[b + 1])) pool.prefetch(table[b + 1]);
+      const int64_t key0 = b * bs;
+      const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
+      t.segs[nseg++] = SpanSeg{blk * bs, nk, n};
+      for (int i0 = 0; i0 < nk; i0 += 8) {
+        const int nv = nk - i0 < 8 ? nk - i0 : 8;
+        const __m256i kidx = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(key0 + i0)));
+        const __m256i past = _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(nv - 1));
+        for (int hh = 0; hh < t.nh; ++hh) {
+          pool.keys8(blk * bs + i0, hh, nv, t.kb);
+          for (int r = hh * t.Rh; r < (hh + 1) * t.Rh; ++r) {
+            const int j = (r % t.Rh) / t.G;
+            const __m256 out = out_of_range(kidx, _mm256_set1_epi32(static_cast<int>(t.qpos[j])),
+                                            _mm256_set1_epi32(static_cast<int>(t.qlo[j])), past);
+            // Lanes past the block's keys are overwritten by the next block's.
+            _mm256_storeu_ps(t.St + r * t.spanp + n + i0,
+                             _mm256_blendv_ps(pool.score8(t, r), _mm256_set1_ps(-INFINITY), out));
+          }
+        }
+      }
+      n += nk;
+    }
+    if (n == 0) continue;
+    span_softmax(t.St, t.spanp, t.R, n, t.m, t.l, t.alpha);
+    for (int hh = 0; hh < t.nh; ++hh) {
+      pool.pv(hh, t.segs, nseg, t.St + hh * t.Rh * t.spanp, t.spanp, t.Rh, t.alpha + hh * t.Rh,
+              t.acc + static_cast<size_t>(hh) * t.Rh * D);
+    }
   }
 }
 

@@ -31,14 +31,6 @@ namespace {
 
 thread_local Scratch tl_buf;  // per-thread tile buffers
 
-// Key indices key0 + lane masked out (all ones) where they fall after qpos,
-// before qlo or at lane >= nvalid.
-inline __m256 out_of_range(__m256i kidx, __m256i qpos, __m256i qlo, __m256i valid_lanes) {
-  const __m256i after = _mm256_cmpgt_epi32(kidx, qpos);
-  const __m256i before = _mm256_cmpgt_epi32(qlo, kidx);
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_or_si256(after, before), valid_lanes));
-}
-
 // S[i][c*8 ..] for keys i0 .. i0+3 (kb: their rows in fp32, [4][D]) and row
 // vectors c0 .. c0+NC-1; keys past the query's position or before its
 // window start (qlo) get -inf.
@@ -106,115 +98,69 @@ inline int decode_heads_per_item(const Args& a, int nq) {
 // read). Rows are ordered by head, then token, then query head. With `part`,
 // the unnormalised state is stored there, [R][D] acc then m [R] and l [R],
 // for split_decode to merge; otherwise the rows are written out.
+// A dense pool's rows of kv heads kh0 .. kh0 + nh - 1 for decode_spans.
+template <int D, int KV>
+struct DensePool {
+  static constexpr int es = KV == F32 ? 4 : 2;
+  const char *kbase, *vbase;  // at head kh0
+  int64_t row, num_slots;     // bytes between slots; slots in the pool
+  int bs, item_bytes;         // a block's slots; the item's bytes of a slot's row
+  bool slot_ok(int64_t blk) const { return blk >= 0 && (blk + 1) * bs <= num_slots; }
+  void prefetch(int64_t blk) const {
+    prefetch_rows(kbase, blk * bs * row, bs, row, item_bytes);
+    prefetch_rows(vbase, blk * bs * row, bs, row, item_bytes);
+  }
+  void keys8(int64_t slot, int hh, int nv, float* kb) const {
+    const char* rows = kbase + slot * row + hh * D * es;
+    for (int k = 0; k < 8; ++k)
+      for (int v = 0; v < D / 8; ++v)
+        _mm256_store_ps(kb + k * D + v * 8, k < nv ? load8<KV>(rows + k * row + v * 8 * es) : _mm256_setzero_ps());
+  }
+  __m256 score8(const DecodeRows& t, int r) const { return float_score8<D>(t, r); }
+  void pv(int hh, const SpanSeg* segs, int nseg, const float* P, int64_t sp, int Rh,
+          const float* alpha, float* acc) const {
+    pv_rows<D>(DenseValues<KV>{vbase + hh * D * es, row}, segs, nseg, P, 1, sp, Rh, alpha, acc);
+  }
+};
+
 template <int D, int KV>
 void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_t b_begin = 0,
                  int64_t b_end = -1, float* part = nullptr) {
   constexpr int NV = D / 8;
   constexpr int kes = KV == F32 ? 4 : 2;
   const int G = a.Hq / a.Hkv, bs = a.bs, nh = kh1 - kh0;
-  const int nq = static_cast<int>(t1 - t0), Rh = nq * G, R = nh * Rh;  // Rh < 16
-  const int span_blocks = span_blocks_of(bs);
-  const int64_t spanp = (static_cast<int64_t>(span_blocks) * bs + 31) / 16 * 16;  // + 16 slack
+  const int nq = static_cast<int>(t1 - t0), Rh = nq * G;  // Rh < 16
   const size_t qes = a.q_dtype == F32 ? 4 : 2;
-  const int Rm = R > kItemRows ? R : kItemRows;
-  // scratch: q [R][D], St [R][spanp], acc [R][D], m, l, alpha [Rm], kb [8][D], segs
-  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * spanp + R * D + 3 * Rm + 8 * D) +
-                         sizeof(SpanSeg) * span_blocks / sizeof(float) + 16);
-  float* St = qf + R * D;
-  float* acc = St + static_cast<size_t>(R) * spanp;
-  float* m = acc + static_cast<size_t>(R) * D;
-  float* l = m + Rm;
-  float* alpha = l + Rm;
-  float* kb = alpha + Rm;
-  SpanSeg* segs = reinterpret_cast<SpanSeg*>(kb + 8 * D);
-  int64_t qpos[16], qlo[16];
+  DecodeRows t(tl_buf, D, nh, Rh, G, bs, kDecodeSpan);
   const int32_t s = a.seq_idx[t0];
   const bool valid = s >= 0 && s < a.S;
-  const auto [n_keys, lo_min] = tile_keys(a, t0, nq, qpos, qlo);
+  const auto [n_keys, lo_min] = tile_keys(a, t0, nq, t.qpos, t.qlo);
   const __m256 qscale = _mm256_set1_ps(a.scale);
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < t.R; ++r) {
     const int kh = kh0 + r / Rh, j = (r % Rh) / G, h = kh * G + r % G;
     const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
     for (int v = 0; v < NV; ++v) {
-      _mm256_store_ps(qf + r * D + v * 8, _mm256_mul_ps(load8(qp + v * 8 * qes, a.q_dtype), qscale));
+      _mm256_store_ps(t.qf + r * D + v * 8, _mm256_mul_ps(load8(qp + v * 8 * qes, a.q_dtype), qscale));
     }
-    m[r] = -INFINITY;
-    l[r] = 0.f;
   }
-  std::memset(acc, 0, sizeof(float) * R * D);
   if (valid && n_keys > 0) {
-    const int32_t* table = a.tables + static_cast<int64_t>(s) * a.B;
     const int64_t nblk = (n_keys + bs - 1) / bs;
     const int64_t row = static_cast<int64_t>(a.Hkv) * D * kes;  // bytes between slots
-    const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh0) * D * kes;
-    const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh0) * D * kes;
-    const int item_bytes = nh * D * kes;  // of a slot's row
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const DensePool<D, KV> pool{static_cast<const char*>(a.k) + static_cast<int64_t>(kh0) * D * kes,
+                                static_cast<const char*>(a.v) + static_cast<int64_t>(kh0) * D * kes,
+                                row, a.num_slots, bs, nh * D * kes};
     const int64_t be = b_end < 0 || b_end > nblk ? nblk : b_end;
     const int64_t bb = b_begin > lo_min / bs ? b_begin : lo_min / bs;
-    for (int64_t b0 = bb; b0 < be; b0 += span_blocks) {
-      const int64_t b1 = b0 + span_blocks < be ? b0 + span_blocks : be;
-      int nseg = 0, n = 0;  // n: scores in the span so far
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t blk = table[b];
-        if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
-        if (b + 1 < be) {
-          const int64_t nxt = table[b + 1];
-          if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
-            prefetch_rows(kbase, nxt * bs * row, bs, row, item_bytes);
-            prefetch_rows(vbase, nxt * bs * row, bs, row, item_bytes);
-          }
-        }
-        const int64_t key0 = b * bs;
-        const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
-        segs[nseg++] = SpanSeg{blk * bs, nk, n};
-        for (int i0 = 0; i0 < nk; i0 += 8) {
-          const int nv = nk - i0 < 8 ? nk - i0 : 8;
-          const __m256i kidx = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(key0 + i0)));
-          const __m256i past = _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(nv - 1));
-          for (int hh = 0; hh < nh; ++hh) {
-            const char* kh_rows = kbase + (blk * bs + i0) * row + hh * D * kes;
-            for (int k = 0; k < 8; ++k) {
-              for (int v = 0; v < NV; ++v) {
-                _mm256_store_ps(kb + k * D + v * 8, k < nv ? load8<KV>(kh_rows + k * row + v * 8 * kes)
-                                                           : _mm256_setzero_ps());
-              }
-            }
-            for (int r = hh * Rh; r < (hh + 1) * Rh; ++r) {
-              __m256 part8[8];
-              for (int k = 0; k < 8; ++k) part8[k] = _mm256_setzero_ps();
-              for (int v = 0; v < NV; ++v) {
-                const __m256 qv = _mm256_load_ps(qf + r * D + v * 8);
-                for (int k = 0; k < 8; ++k)
-                  part8[k] = _mm256_fmadd_ps(qv, _mm256_load_ps(kb + k * D + v * 8), part8[k]);
-              }
-              const int j = (r % Rh) / G;
-              const __m256 out = out_of_range(kidx, _mm256_set1_epi32(static_cast<int>(qpos[j])),
-                                              _mm256_set1_epi32(static_cast<int>(qlo[j])), past);
-              // Lanes past the block's keys are overwritten by the next block's.
-              _mm256_storeu_ps(St + r * spanp + n + i0,
-                               _mm256_blendv_ps(reduce8x8(part8), _mm256_set1_ps(-INFINITY), out));
-            }
-          }
-        }
-        n += nk;
-      }
-      if (n == 0) continue;
-      span_softmax(St, spanp, R, n, m, l, alpha);
-      for (int hh = 0; hh < nh; ++hh) {
-        pv_rows<D>(DenseValues<KV>{vbase + hh * D * kes, row}, segs, nseg, St + hh * Rh * spanp, 1,
-                   spanp, Rh, alpha + hh * Rh, acc + static_cast<size_t>(hh) * Rh * D);
-      }
-    }
+    decode_spans<D>(pool, a.tables + static_cast<int64_t>(s) * a.B, bs, bb, be, n_keys, t);
   }
   if (part == nullptr) {
     for (int hh = 0; hh < nh; ++hh)
-      write_rows(a, t0, kh0 + hh, Rh, acc + static_cast<size_t>(hh) * Rh * D, l + hh * Rh);
+      write_rows(a, t0, kh0 + hh, Rh, t.acc + static_cast<size_t>(hh) * Rh * D, t.l + hh * Rh);
     return;
   }
-  std::memcpy(part, acc, sizeof(float) * R * D);
-  std::memcpy(part + R * D, m, sizeof(float) * R);
-  std::memcpy(part + R * D + R, l, sizeof(float) * R);
+  std::memcpy(part, t.acc, sizeof(float) * t.R * D);
+  std::memcpy(part + t.R * D, t.m, sizeof(float) * t.R);
+  std::memcpy(part + t.R * D + t.R, t.l, sizeof(float) * t.R);
 }
 
 // Prefill tiles (at least 16 query rows).
