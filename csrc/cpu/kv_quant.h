@@ -102,7 +102,7 @@ struct AttnArgs {
 // the item's partial state to part ([rows][D + 2]: unnormalised acc, m, l;
 // see Kernels::run_item) and returns true, or returns false to leave the item
 // to the generic kernel.
-using DecodeFn = bool (*)(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
+using ItemFn = bool (*)(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
                           float* part);
 
 void encode_portable(const EncodeArgs& a);
@@ -506,7 +506,7 @@ struct Kernels {
     const int64_t* bucket;    // [n_buckets + 1] offsets into order
     float* parts;             // partials: per item rows * (D + 2)
     const int64_t* first_item;  // [n_tiles * Hkv + 1]: items of (tile, kh) are contiguous
-    DecodeFn fast;              // the ISA file's kernel for the items it takes, or null
+    ItemFn fast;              // the ISA file's kernel for the items it takes, or null
   };
 
   static void run_item(const Ctx& c, const Item& it, float* scratch) {
@@ -716,7 +716,7 @@ struct Kernels {
     }
   }
 
-  static void attention(const AttnArgs& a, DecodeFn fast = nullptr) {
+  static void attention(const AttnArgs& a, ItemFn fast = nullptr) {
     if (a.f.D % W != 0) {  // the inner loops step W floats at a time
       Kernels<4>::attention(a, fast);
       return;

@@ -9,11 +9,14 @@
 // the value codes (PackedPool::pv). Widths, value kind, group and head dim
 // are compile-time. The generic kernel ran scalar max/exp/sum and a rescale
 // per 16-key block with run-time widths: 0.5-0.7x the dense f16 kernel's
-// speed at 8,000 keys for about half its bytes.
+// speed at 8,000 keys for about half its bytes. Prefill items (16 rows or
+// more) take the dense AVX2 prefill tile's key loop (prefill_tile_avx2.h)
+// over keys and values decoded to fp32 per block.
 #include "cpu/kv_quant.h"
 
 #include "common/scratch.h"
 #include "cpu/decode_span_avx2.h"
+#include "cpu/prefill_tile_avx2.h"
 
 namespace mlxfast {
 namespace kvq {
@@ -22,6 +25,7 @@ namespace {
 
 thread_local Scratch tl_decode;
 thread_local Scratch tl_pv;  // PackedPool::pv's (tl_decode holds the tile's rows)
+thread_local Scratch tl_prefill;  // a prefill tile's rows and its block of values
 
 constexpr int kSpan = 128;  // keys per online-softmax step (as the dense tile)
 
@@ -250,20 +254,107 @@ void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
   }
 }
 
+// Kv head kh's packed rows for prefill_blocks: a block's keys and values
+// decoded to fp32 rows, as the generic kernel does (a prefill tile's 16 or
+// more query rows share each decode), scored against the rounded query in
+// float. TurboQuant values stay in the rotated domain (Kernels::merge_range
+// rotates the rows back).
+template <int D, int KB, int VB, bool VT, int GR>
+struct PackedPrefillPool {
+  const uint8_t* kbase;  // head kh's part of slot 0
+  int64_t rowb, num_slots;
+  int bs;
+  const Fmt* f;
+  const float* cbp;  // the codebook padded to 16 entries
+  float* vb;         // [bs][D]: the block's values
+  bool slot_ok(int64_t blk) const { return blk >= 0 && (blk + 1) * bs <= num_slots; }
+  void keys4(int64_t slot, int nv, float* kb) const {
+    for (int j = 0; j < 4; ++j) {
+      if (j < nv)
+        decode_affine(kbase + (slot + j) * rowb, D, KB, GR, kb + j * D, nullptr);
+      else
+        std::memset(kb + j * D, 0, sizeof(float) * D);
+    }
+  }
+  // Flattened: GCC left pv_span out of line here with its accumulators
+  // spilled to the stack every key (1.5x the dense tile's time).
+  [[gnu::flatten]] void pv_block(int64_t blk, int nk, const float* S, int64_t Rp, int R,
+                                 const float* alpha, float* acc) const {
+    for (int i = 0; i < nk; ++i) {
+      const uint8_t* vp = kbase + (blk * bs + i) * rowb + f->kbytes;
+      if constexpr (VT)
+        decode_turbo_rot(vp, *f, cbp, vb + i * D, nullptr);
+      else
+        decode_affine(vp, D, VB, GR, vb + i * D, nullptr);
+    }
+    const SpanSeg seg{0, nk, 0};
+    pv_rows<D>(FloatValues<D>{vb}, &seg, 1, S, Rp, 1, R, alpha, acc);
+  }
+};
+
+// Prefill items (16 query rows or more): prefill_blocks over the packed
+// pool; the generic kernel ran its scores in scalar loops per block (about
+// 5x slower than dequantizing the blocks and running the dense kernel).
+template <int D, int KB, int VB, bool VT, int GR>
+void prefill_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  const int G = a.Hq / a.Hkv, bs = a.bs;
+  const int R = static_cast<int>(t1 - t0) * G;
+  PrefillRows t(tl_prefill, D, bs, R, G, t0, a.pos, a.window, a.B * bs - 1);
+  float* vb = tl_pv.get(static_cast<size_t>(bs) * D);
+  const size_t qes = pa::elem_size(a.q_dtype);
+  float qbuf[pa::kMaxHeadDim];
+  alignas(32) float q[D];
+  for (int r = 0; r < R; ++r) {
+    const int j = r / G, h = kh * G + r % G;
+    const float* qr = pa::load_row(static_cast<const char*>(a.q) + ((t0 + j) * a.Hq + h) * D * qes,
+                                   a.q_dtype, D, qbuf);
+    for (int i = 0; i < D; ++i) q[i] = qr[i] * a.scale;
+    round_query(q, D, GR, nullptr, nullptr);
+    t.set_query(r, q, D);
+  }
+  const int32_t s = a.seq_idx[t0];
+  if (s >= 0 && s < a.S && t.n_keys > 0) {
+    float cbp[16] = {0};
+    if (VT) std::memcpy(cbp, a.codebook, sizeof(float) * (1 << a.f.vbits));
+    const PackedPrefillPool<D, KB, VB, VT, GR> pool{
+        a.packed + static_cast<int64_t>(kh) * a.f.row, static_cast<int64_t>(a.Hkv) * a.f.row,
+        a.num_slots, bs, &a.f, cbp, vb};
+    const int64_t nblk = (t.n_keys + bs - 1) / bs;
+    const int64_t be = b1 < nblk ? b1 : nblk;
+    const int64_t bb = b0 > t.lo_min / bs ? b0 : t.lo_min / bs;
+    prefill_blocks<D>(pool, a.tables + static_cast<int64_t>(s) * a.B, bs, bb, be, t);
+  }
+  for (int r = 0; r < R; ++r) {
+    float* pr = part + static_cast<size_t>(r) * (D + 2);
+    std::memcpy(pr, t.acc + r * D, sizeof(float) * D);
+    pr[D] = t.m[r];
+    pr[D + 1] = t.l[r];
+  }
+}
+
+// A work item by its rows: decode (fewer than 16) or prefill.
+template <int D, int KB, int VB, bool VT, int GR>
+void run_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  if ((t1 - t0) * (a.Hq / a.Hkv) >= 16)
+    prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
+  else
+    decode_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
+}
+
 template <int D, int GR>
-bool decode_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+bool item_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
   const Fmt& f = a.f;
   using Fn = void (*)(const AttnArgs&, int64_t, int64_t, int, int, int, float*);
   Fn fn = nullptr;
   if (!f.vturbo) {  // the affine schemes: K and V of one width
-    if (f.kbits == 8 && f.vbits == 8) fn = &decode_item<D, 8, 8, false, GR>;
-    if (f.kbits == 4 && f.vbits == 4) fn = &decode_item<D, 4, 4, false, GR>;
+    if (f.kbits == 8 && f.vbits == 8) fn = &run_item<D, 8, 8, false, GR>;
+    if (f.kbits == 4 && f.vbits == 4) fn = &run_item<D, 4, 4, false, GR>;
   } else if (f.kbits == 8 || f.kbits == 4) {
     const bool k8 = f.kbits == 8;
     switch (f.vbits) {
-      case 2: fn = k8 ? &decode_item<D, 8, 2, true, GR> : &decode_item<D, 4, 2, true, GR>; break;
-      case 3: fn = k8 ? &decode_item<D, 8, 3, true, GR> : &decode_item<D, 4, 3, true, GR>; break;
-      case 4: fn = k8 ? &decode_item<D, 8, 4, true, GR> : &decode_item<D, 4, 4, true, GR>; break;
+      case 2: fn = k8 ? &run_item<D, 8, 2, true, GR> : &run_item<D, 4, 2, true, GR>; break;
+      case 3: fn = k8 ? &run_item<D, 8, 3, true, GR> : &run_item<D, 4, 3, true, GR>; break;
+      case 4: fn = k8 ? &run_item<D, 8, 4, true, GR> : &run_item<D, 4, 4, true, GR>; break;
       default: break;
     }
   }
@@ -275,21 +366,20 @@ bool decode_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1
 // The engine's group sizes (kv_group_size: 64 or 32); others take the
 // generic kernel.
 template <int D>
-bool decode_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+bool item_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
   switch (a.f.group) {
-    case 64: return decode_dg<D, 64>(a, t0, t1, kh, b0, b1, part);
-    case 32: return decode_dg<D, 32>(a, t0, t1, kh, b0, b1, part);
+    case 64: return item_dg<D, 64>(a, t0, t1, kh, b0, b1, part);
+    case 32: return item_dg<D, 32>(a, t0, t1, kh, b0, b1, part);
     default: return false;
   }
 }
 
-bool fast_decode(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  const Fmt& f = a.f;
-  if ((t1 - t0) * (a.Hq / a.Hkv) >= 16 || f.group > f.D) return false;
-  switch (f.D) {
-    case 64: return decode_d<64>(a, t0, t1, kh, b0, b1, part);
-    case 128: return decode_d<128>(a, t0, t1, kh, b0, b1, part);
-    case 256: return decode_d<256>(a, t0, t1, kh, b0, b1, part);
+bool fast_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  if (a.f.group > a.f.D) return false;
+  switch (a.f.D) {
+    case 64: return item_d<64>(a, t0, t1, kh, b0, b1, part);
+    case 128: return item_d<128>(a, t0, t1, kh, b0, b1, part);
+    case 256: return item_d<256>(a, t0, t1, kh, b0, b1, part);
     default: return false;
   }
 }
@@ -298,7 +388,7 @@ bool fast_decode(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
 
 void encode_avx2(const EncodeArgs& a) { Kernels<8>::encode(a); }
 void dequant_avx2(const DequantArgs& a) { Kernels<8>::dequant(a); }
-void attention_avx2(const AttnArgs& a) { Kernels<8>::attention(a, &fast_decode); }
+void attention_avx2(const AttnArgs& a) { Kernels<8>::attention(a, &fast_item); }
 
 }  // namespace kvq
 }  // namespace mlxfast

@@ -8,10 +8,9 @@
 //     together), online softmax per span of kDecodeSpan keys, P.V with the
 //     rows' outputs in registers; a single decode row over a long context is
 //     split across the pool (cpu/split_decode.h).
-//   prefill tiles: S[key][row] = K . Q^T with Q transposed once per tile, so
-//     each vector holds 8 query rows of one key (4 keys x up to 2 row
-//     vectors in registers per pass over d); mask, block maximum and exp
-//     across rows in those vectors.
+//   prefill tiles: cpu/prefill_tile_avx2.h's key loop (S[key][row] =
+//     K . Q^T with Q transposed once per tile; mask, block maximum and exp
+//     across rows), shared with the quantized kernels.
 // Same online softmax as the generic kernel, float32 throughout. Sliding
 // window: keys before a row's window start are masked like future keys, and
 // a tile starts at the block holding its earliest window start (earlier
@@ -20,6 +19,7 @@
 
 #include "common/scratch.h"
 #include "cpu/decode_span_avx2.h"
+#include "cpu/prefill_tile_avx2.h"
 #include "cpu/paged_attention.h"
 #include "cpu/split_decode.h"
 #include "cpu/vec_exp.h"
@@ -30,35 +30,6 @@ namespace pa {
 namespace {
 
 thread_local Scratch tl_buf;  // per-thread tile buffers
-
-// S[i][c*8 ..] for keys i0 .. i0+3 (kb: their rows in fp32, [4][D]) and row
-// vectors c0 .. c0+NC-1; keys past the query's position or before its
-// window start (qlo) get -inf.
-template <int D, int NC>
-inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const int32_t* qpos,
-                     const int32_t* qlo, int64_t key, int nvalid, float* S) {
-  __m256 acc[4][NC];
-  for (int j = 0; j < 4; ++j)
-    for (int c = 0; c < NC; ++c) acc[j][c] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    __m256 qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = _mm256_load_ps(qt + d * Rp + (c0 + c) * 8);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 kv = _mm256_broadcast_ss(kb + j * D + d);
-      for (int c = 0; c < NC; ++c) acc[j][c] = _mm256_fmadd_ps(kv, qv[c], acc[j][c]);
-    }
-  }
-  const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  for (int j = 0; j < nvalid; ++j) {
-    const __m256i kidx = _mm256_set1_epi32(static_cast<int>(key + j));
-    for (int c = 0; c < NC; ++c) {
-      const __m256i qp = _mm256_load_si256(reinterpret_cast<const __m256i*>(qpos + (c0 + c) * 8));
-      const __m256i ql = _mm256_load_si256(reinterpret_cast<const __m256i*>(qlo + (c0 + c) * 8));
-      const __m256 out = out_of_range(kidx, qp, ql, _mm256_setzero_si256());
-      _mm256_store_ps(S + j * Rp + (c0 + c) * 8, _mm256_blendv_ps(acc[j][c], ninf, out));
-    }
-  }
-}
 
 // A dense pool's value rows in dtype KV (fp32, fp16 or bf16).
 template <int KV>
@@ -93,12 +64,8 @@ inline int decode_heads_per_item(const Args& a, int nq) {
   return h < 1 ? 1 : (h > a.Hkv ? a.Hkv : h);
 }
 
-// kv heads [kh0, kh1), blocks [b_begin, b_end) of the context (b_end < 0:
-// to its end; blocks before the tile's earliest window start are never
-// read). Rows are ordered by head, then token, then query head. With `part`,
-// the unnormalised state is stored there, [R][D] acc then m [R] and l [R],
-// for split_decode to merge; otherwise the rows are written out.
-// A dense pool's rows of kv heads kh0 .. kh0 + nh - 1 for decode_spans.
+// A dense pool's rows of kv heads kh0 .. kh0 + nh - 1 for decode_spans (and
+// of kv head kh0 for prefill_blocks).
 template <int D, int KV>
 struct DensePool {
   static constexpr int es = KV == F32 ? 4 : 2;
@@ -121,8 +88,25 @@ struct DensePool {
           const float* alpha, float* acc) const {
     pv_rows<D>(DenseValues<KV>{vbase + hh * D * es, row}, segs, nseg, P, 1, sp, Rh, alpha, acc);
   }
+  // prefill_blocks' hooks (one kv head: kh0)
+  void keys4(int64_t slot, int nv, float* kb) const {
+    for (int j = 0; j < 4; ++j)
+      for (int d0 = 0; d0 < D; d0 += 8)
+        _mm256_storeu_ps(kb + j * D + d0, j < nv ? load8<KV>(kbase + (slot + j) * row + d0 * es)
+                                                 : _mm256_setzero_ps());
+  }
+  void pv_block(int64_t blk, int nk, const float* S, int64_t Rp, int R, const float* alpha,
+                float* acc) const {
+    const SpanSeg seg{blk * bs, nk, 0};
+    pv_rows<D>(DenseValues<KV>{vbase, row}, &seg, 1, S, Rp, 1, R, alpha, acc);
+  }
 };
 
+// A decode tile: kv heads [kh0, kh1), blocks [b_begin, b_end) of the context (b_end < 0:
+// to its end; blocks before the tile's earliest window start are never
+// read). Rows are ordered by head, then token, then query head. With `part`,
+// the unnormalised state is stored there, [R][D] acc then m [R] and l [R],
+// for split_decode to merge; otherwise the rows are written out.
 template <int D, int KV>
 void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_t b_begin = 0,
                  int64_t b_end = -1, float* part = nullptr) {
@@ -163,106 +147,32 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
   std::memcpy(part + t.R * D + t.R, t.l, sizeof(float) * t.R);
 }
 
-// Prefill tiles (at least 16 query rows).
+// Prefill tiles (at least 16 query rows): prefill_blocks over the dense pool.
 template <int D, int KV>
 void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
   const int G = a.Hq / a.Hkv, bs = a.bs;
-  const int nq = static_cast<int>(t1 - t0), R = nq * G;
-  const int RC = (R + 7) / 8;
-  const int64_t Rp = static_cast<int64_t>(RC) * 8;
+  const int R = static_cast<int>(t1 - t0) * G;
   const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = KV == F32 ? 4 : 2;
-  // scratch: Qt [D][Rp], S [bs][Rp], acc [R][D], m, l, alpha [Rp], qpos, qlo [Rp] int32,
-  // kb [4][D]
-  float* qt = tl_buf.get(static_cast<size_t>(D * Rp + bs * Rp + R * D + 5 * Rp + 4 * D));
-  float* S = qt + D * Rp;
-  float* acc = S + bs * Rp;
-  float* m = acc + static_cast<size_t>(R) * D;
-  float* l = m + Rp;
-  float* alpha = l + Rp;
-  int32_t* qpos = reinterpret_cast<int32_t*>(alpha + Rp);
-  int32_t* qlo = qpos + Rp;
-  float* kb = alpha + 3 * Rp;
-
-  const int32_t s = a.seq_idx[t0];
-  const bool valid = s >= 0 && s < a.S;
-  int64_t n_keys = 0, lo_min = INT64_MAX;
-  for (int r = 0; r < Rp; ++r) {
-    int64_t p = -1, lo = 0;
-    if (r < R) {
-      p = a.pos[t0 + r / G];
-      lo = key_lo(a.window, p);
-      lo_min = lo < lo_min ? lo : lo_min;
-      if (p > a.B * bs - 1) p = a.B * bs - 1;
-    }
-    qpos[r] = static_cast<int32_t>(p);
-    qlo[r] = static_cast<int32_t>(lo);  // lo <= p, an int32 position
-    if (p + 1 > n_keys) n_keys = p + 1;
-  }
-  for (int r = 0; r < Rp; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::memset(acc, 0, sizeof(float) * R * D);
-  std::memset(qt, 0, sizeof(float) * D * Rp);
+  PrefillRows t(tl_buf, D, bs, R, G, t0, a.pos, a.window, a.B * bs - 1);
   for (int r = 0; r < R; ++r) {
     const int j = r / G, h = kh * G + r % G;
     const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
-    for (int d0 = 0; d0 < D; d0 += 8) {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, _mm256_mul_ps(load8(qp + d0 * qes, a.q_dtype), _mm256_set1_ps(a.scale)));
-      for (int d = 0; d < 8; ++d) qt[(d0 + d) * Rp + r] = t[d];
-    }
+    alignas(32) float q[D];
+    for (int d0 = 0; d0 < D; d0 += 8)
+      _mm256_store_ps(q + d0, _mm256_mul_ps(load8(qp + d0 * qes, a.q_dtype), _mm256_set1_ps(a.scale)));
+    t.set_query(r, q, D);
   }
-  if (valid && n_keys > 0) {
-    const int32_t* table = a.tables + static_cast<int64_t>(s) * a.B;
-    const int64_t nblk = (n_keys + bs - 1) / bs;
-    const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;
-    const int64_t vrow = krow;
-    const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
-    const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * D * kes;
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    for (int64_t b = lo_min / bs; b < nblk; ++b) {  // blocks before every window: unread
-      const int64_t blk = table[b];
-      if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
-      const int64_t key0 = b * bs;
-      const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
-      for (int i0 = 0; i0 < nk; i0 += 4) {
-        const int nv = nk - i0 < 4 ? nk - i0 : 4;
-        for (int j = 0; j < 4; ++j) {
-          for (int d0 = 0; d0 < D; d0 += 8) {
-            _mm256_storeu_ps(kb + j * D + d0,
-                             j < nv ? load8<KV>(kbase + (blk * bs + i0 + j) * krow + d0 * kes)
-                                    : _mm256_setzero_ps());
-          }
-        }
-        int c = 0;
-        for (; c + 2 <= RC; c += 2)
-          qk_keys4<D, 2>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
-        if (c < RC) qk_keys4<D, 1>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
-      }
-      for (int c = 0; c < RC; ++c) {
-        __m256 mb = ninf;
-        for (int i = 0; i < nk; ++i) mb = _mm256_max_ps(mb, _mm256_load_ps(S + i * Rp + c * 8));
-        const __m256 m_old = _mm256_load_ps(m + c * 8);
-        const __m256 m_new = _mm256_max_ps(m_old, mb);
-        // Rows with no visible key yet keep m = -inf: shift by 0 there.
-        const __m256 m_use = _mm256_andnot_ps(_mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ), m_new);
-        const __m256 al = exp_shifted(m_old, m_use);
-        __m256 sum = _mm256_setzero_ps();
-        for (int i = 0; i < nk; ++i) {
-          const __m256 e = exp_shifted(_mm256_load_ps(S + i * Rp + c * 8), m_use);
-          _mm256_store_ps(S + i * Rp + c * 8, e);
-          sum = _mm256_add_ps(sum, e);
-        }
-        _mm256_store_ps(l + c * 8, _mm256_fmadd_ps(_mm256_load_ps(l + c * 8), al, sum));
-        _mm256_store_ps(m + c * 8, m_new);
-        _mm256_store_ps(alpha + c * 8, al);
-      }
-      const SpanSeg seg{blk * bs, nk, 0};
-      pv_rows<D>(DenseValues<KV>{vbase, vrow}, &seg, 1, S, Rp, 1, R, alpha, acc);
-    }
+  const int32_t s = a.seq_idx[t0];
+  if (s >= 0 && s < a.S && t.n_keys > 0) {
+    const int64_t row = static_cast<int64_t>(a.Hkv) * D * kes;
+    const DensePool<D, KV> pool{static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes,
+                                static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * D * kes,
+                                row, a.num_slots, bs, static_cast<int>(D * kes)};
+    // blocks before every window: unread
+    prefill_blocks<D>(pool, a.tables + static_cast<int64_t>(s) * a.B, bs, t.lo_min / bs,
+                      (t.n_keys + bs - 1) / bs, t);
   }
-  write_rows(a, t0, kh, R, acc, l);
+  write_rows(a, t0, kh, R, t.acc, t.l);
 }
 
 // Decode items hold several kv heads, for split_decode (cpu/split_decode.h).
