@@ -1,6 +1,6 @@
 """Quantized-KV benchmark on the default model, from one run: single-stream
 decode tok/s at 1,000 / 4,000 / 8,000 tokens of context and the KV bytes per
-token of each scheme, aggregate decode tok/s of ``--streams`` concurrent
+token of each scheme, prefill tok/s of each context's new tokens, aggregate decode tok/s of ``--streams`` concurrent
 streams (8 by default) at the longest context, then perplexity per scheme
 over the test document.
 
@@ -37,16 +37,17 @@ DOC = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpl-3.0.txt"
 
 
 def decode_rate(engine, prompt, n):
+    """(decode tok/s: median inter-token, seconds to the first token)."""
     async def main():
-        stamps = []
+        stamps = [time.perf_counter()]
         req = Request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         async for ev in engine.submit(req):
             if isinstance(ev, TokenEvent):
                 stamps.append(time.perf_counter())
         return stamps
     s = asyncio.run(main())
-    gaps = np.diff(s[1:])  # skip the first token (prefill)
-    return 1.0 / float(np.median(gaps))
+    gaps = np.diff(s[2:])  # skip the first token (prefill)
+    return 1.0 / float(np.median(gaps)), s[1] - s[0]
 
 
 def aggregate_rate(engine, prompts, n):
@@ -156,7 +157,7 @@ def main():
     print(f"default model: layers={a.num_hidden_layers} kv_heads={a.num_key_value_heads} "
           f"head_dim={a.head_dim} dtype={model.dtype}; cpu path {mlxfast.ops.cpu_path()}, "
           f"{mlxfast.ops.num_threads()} threads")
-    results, multi = {}, {}
+    results, multi, prefill = {}, {}, {}
     # the concurrent streams: distinct prompts (no shared prefix blocks)
     many = [[rng.randrange(100, a.vocab_size) for _ in range(max(contexts))]
             for _ in range(args.streams)]
@@ -169,8 +170,9 @@ def main():
         try:
             # prompts are prefixes of one another: each longer one reuses the
             # shorter one's cached blocks, so only the new part is prefilled
-            results[q] = (eng.stats()["kv_scheme"], eng.kv_bytes_per_token,
-                          [decode_rate(eng, longest[:c], args.decode) for c in contexts])
+            runs = [decode_rate(eng, longest[:c], args.decode) for c in contexts]
+            results[q] = (eng.stats()["kv_scheme"], eng.kv_bytes_per_token, [r for r, _ in runs])
+            prefill[q] = [t for _, t in runs]
             if args.streams:
                 multi[q] = aggregate_rate(eng, many, streams_decode)
         finally:
@@ -187,6 +189,18 @@ def main():
         line = f"{q:>11} {sid:>15} {bpt:>8} {fp16 / bpt:>7.2f}x" + "".join(f"{r:>9.1f}" for r in rates)
         if off:
             line += "".join(f"{r / o:>11.2f}" for r, o in zip(rates, off[2]))
+        print(line)
+
+    # each context's prompt extends the previous one (its blocks are cached):
+    # its prefill covers the new tokens only, at the keys before them
+    new = [c - p for c, p in zip(contexts, [0] + contexts[:-1])]
+    span = "".join(f"{f'{p}-{c}':>11}" for c, p in zip(contexts, [0] + contexts[:-1]))
+    print(f"\nprefill tok/s of each context's new tokens (first-token time), one run")
+    print(f"{'scheme':>11}{span}" + (f"{'x off':>8}" * len(contexts) if off else ""))
+    for q, ts in prefill.items():
+        line = f"{q:>11}" + "".join(f"{n / t:>11.1f}" for n, t in zip(new, ts))
+        if off:
+            line += "".join(f"{to / t:>8.2f}" for t, to in zip(ts, prefill["off"]))
         print(line)
 
     if multi:
