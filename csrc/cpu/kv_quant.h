@@ -124,6 +124,53 @@ void attention_neon(const AttnArgs& a);
 
 namespace {
 
+// The schemes the ISA files' fast kernels take, as one table: an item's
+// widths, value kind, group (the engine's kv_group_size: 64 or 32) and head
+// dim (64/128/256) as compile-time arguments of Kernel<D, KB, VB, VT,
+// GR>::run (the ISA file's item kernel); false for any other format (the
+// generic kernel runs it).
+template <template <int, int, int, bool, int> class Kernel, int D, int GR>
+bool fast_item_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  const Fmt& f = a.f;
+  using Fn = void (*)(const AttnArgs&, int64_t, int64_t, int, int, int, float*);
+  Fn fn = nullptr;
+  if (!f.vturbo) {  // the affine schemes: K and V of one width
+    if (f.kbits == 8 && f.vbits == 8) fn = &Kernel<D, 8, 8, false, GR>::run;
+    if (f.kbits == 4 && f.vbits == 4) fn = &Kernel<D, 4, 4, false, GR>::run;
+  } else if (f.kbits == 8 || f.kbits == 4) {
+    const bool k8 = f.kbits == 8;
+    switch (f.vbits) {
+      case 2: fn = k8 ? &Kernel<D, 8, 2, true, GR>::run : &Kernel<D, 4, 2, true, GR>::run; break;
+      case 3: fn = k8 ? &Kernel<D, 8, 3, true, GR>::run : &Kernel<D, 4, 3, true, GR>::run; break;
+      case 4: fn = k8 ? &Kernel<D, 8, 4, true, GR>::run : &Kernel<D, 4, 4, true, GR>::run; break;
+      default: break;
+    }
+  }
+  if (fn == nullptr) return false;
+  fn(a, t0, t1, kh, b0, b1, part);
+  return true;
+}
+
+template <template <int, int, int, bool, int> class Kernel, int D>
+bool fast_item_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  switch (a.f.group) {
+    case 64: return fast_item_dg<Kernel, D, 64>(a, t0, t1, kh, b0, b1, part);
+    case 32: return fast_item_dg<Kernel, D, 32>(a, t0, t1, kh, b0, b1, part);
+    default: return false;
+  }
+}
+
+template <template <int, int, int, bool, int> class Kernel>
+bool fast_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  if (a.f.group > a.f.D) return false;
+  switch (a.f.D) {
+    case 64: return fast_item_d<Kernel, 64>(a, t0, t1, kh, b0, b1, part);
+    case 128: return fast_item_d<Kernel, 128>(a, t0, t1, kh, b0, b1, part);
+    case 256: return fast_item_d<Kernel, 256>(a, t0, t1, kh, b0, b1, part);
+    default: return false;
+  }
+}
+
 inline float rd_f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);

@@ -335,61 +335,24 @@ void prefill_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int
 
 // A work item by its rows: decode (fewer than 16) or prefill.
 template <int D, int KB, int VB, bool VT, int GR>
-void run_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  if ((t1 - t0) * (a.Hq / a.Hkv) >= 16)
-    prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
-  else
-    decode_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
-}
-
-template <int D, int GR>
-bool item_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  const Fmt& f = a.f;
-  using Fn = void (*)(const AttnArgs&, int64_t, int64_t, int, int, int, float*);
-  Fn fn = nullptr;
-  if (!f.vturbo) {  // the affine schemes: K and V of one width
-    if (f.kbits == 8 && f.vbits == 8) fn = &run_item<D, 8, 8, false, GR>;
-    if (f.kbits == 4 && f.vbits == 4) fn = &run_item<D, 4, 4, false, GR>;
-  } else if (f.kbits == 8 || f.kbits == 4) {
-    const bool k8 = f.kbits == 8;
-    switch (f.vbits) {
-      case 2: fn = k8 ? &run_item<D, 8, 2, true, GR> : &run_item<D, 4, 2, true, GR>; break;
-      case 3: fn = k8 ? &run_item<D, 8, 3, true, GR> : &run_item<D, 4, 3, true, GR>; break;
-      case 4: fn = k8 ? &run_item<D, 8, 4, true, GR> : &run_item<D, 4, 4, true, GR>; break;
-      default: break;
-    }
+struct ItemKernel {
+  static void run(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+    if ((t1 - t0) * (a.Hq / a.Hkv) >= 16)
+      prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
+    else
+      decode_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
   }
-  if (fn == nullptr) return false;
-  fn(a, t0, t1, kh, b0, b1, part);
-  return true;
-}
+};
 
-// The engine's group sizes (kv_group_size: 64 or 32); others take the
-// generic kernel.
-template <int D>
-bool item_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  switch (a.f.group) {
-    case 64: return item_dg<D, 64>(a, t0, t1, kh, b0, b1, part);
-    case 32: return item_dg<D, 32>(a, t0, t1, kh, b0, b1, part);
-    default: return false;
-  }
-}
-
-bool fast_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  if (a.f.group > a.f.D) return false;
-  switch (a.f.D) {
-    case 64: return item_d<64>(a, t0, t1, kh, b0, b1, part);
-    case 128: return item_d<128>(a, t0, t1, kh, b0, b1, part);
-    case 256: return item_d<256>(a, t0, t1, kh, b0, b1, part);
-    default: return false;
-  }
+bool take_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  return fast_item<ItemKernel>(a, t0, t1, kh, b0, b1, part);
 }
 
 }  // namespace
 
 void encode_avx2(const EncodeArgs& a) { Kernels<8>::encode(a); }
 void dequant_avx2(const DequantArgs& a) { Kernels<8>::dequant(a); }
-void attention_avx2(const AttnArgs& a) { Kernels<8>::attention(a, &fast_item); }
+void attention_avx2(const AttnArgs& a) { Kernels<8>::attention(a, &take_item); }
 
 }  // namespace kvq
 }  // namespace mlxfast

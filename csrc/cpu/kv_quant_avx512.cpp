@@ -289,49 +289,17 @@ void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
   }
 }
 
-template <int D, int GR>
-bool decode_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  const Fmt& f = a.f;
-  using Fn = void (*)(const AttnArgs&, int64_t, int64_t, int, int, int, float*);
-  Fn fn = nullptr;
-  if (!f.vturbo) {  // the affine schemes: K and V of one width
-    if (f.kbits == 8 && f.vbits == 8) fn = &decode_item<D, 8, 8, false, GR>;
-    if (f.kbits == 4 && f.vbits == 4) fn = &decode_item<D, 4, 4, false, GR>;
-  } else if (f.kbits == 8 || f.kbits == 4) {
-    const bool k8 = f.kbits == 8;
-    switch (f.vbits) {
-      case 2: fn = k8 ? &decode_item<D, 8, 2, true, GR> : &decode_item<D, 4, 2, true, GR>; break;
-      case 3: fn = k8 ? &decode_item<D, 8, 3, true, GR> : &decode_item<D, 4, 3, true, GR>; break;
-      case 4: fn = k8 ? &decode_item<D, 8, 4, true, GR> : &decode_item<D, 4, 4, true, GR>; break;
-      default: break;
-    }
+template <int D, int KB, int VB, bool VT, int GR>
+struct DecodeKernel {
+  static void run(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+    decode_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
   }
-  if (fn == nullptr) return false;
-  fn(a, t0, t1, kh, b0, b1, part);
-  return true;
-}
-
-// The engine's group sizes (kv_group_size: 64 or 32); others take the
-// generic kernel.
-template <int D>
-bool decode_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  switch (a.f.group) {
-    case 64: return decode_dg<D, 64>(a, t0, t1, kh, b0, b1, part);
-    case 32: return decode_dg<D, 32>(a, t0, t1, kh, b0, b1, part);
-    default: return false;
-  }
-}
+};
 
 bool fast_decode(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  const Fmt& f = a.f;
   static const bool vnni = cpu_has_avx512_vnni();  // VNNI scores the keys
-  if (!vnni || (t1 - t0) * (a.Hq / a.Hkv) >= 16 || f.group > f.D) return false;
-  switch (f.D) {
-    case 64: return decode_d<64>(a, t0, t1, kh, b0, b1, part);
-    case 128: return decode_d<128>(a, t0, t1, kh, b0, b1, part);
-    case 256: return decode_d<256>(a, t0, t1, kh, b0, b1, part);
-    default: return false;
-  }
+  if (!vnni || (t1 - t0) * (a.Hq / a.Hkv) >= 16) return false;
+  return fast_item<DecodeKernel>(a, t0, t1, kh, b0, b1, part);
 }
 
 }  // namespace
