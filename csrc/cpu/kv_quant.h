@@ -171,6 +171,18 @@ bool fast_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1
   }
 }
 
+// An ISA item's partial state in the generic kernel's layout (ItemFn):
+// per row r, part[r * (D + 2) ..] = acc [D] (unnormalised), m, l.
+inline void store_partials(float* part, int R, int D, const float* acc, const float* m,
+                           const float* l) {
+  for (int r = 0; r < R; ++r) {
+    float* pr = part + static_cast<size_t>(r) * (D + 2);
+    std::memcpy(pr, acc + static_cast<size_t>(r) * D, sizeof(float) * D);
+    pr[D] = m[r];
+    pr[D + 1] = l[r];
+  }
+}
+
 inline float rd_f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);

@@ -25,7 +25,7 @@ namespace {
 
 thread_local Scratch tl_decode;
 thread_local Scratch tl_pv;  // PackedPool::pv's (tl_decode holds the tile's rows)
-thread_local Scratch tl_prefill;  // a prefill tile's rows and its block of values
+thread_local Scratch tl_prefill;  // a prefill tile's rows (tl_pv holds its block of values)
 
 constexpr int kSpan = 128;  // keys per online-softmax step (as the dense tile)
 
@@ -247,12 +247,7 @@ void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
     const int64_t bb = b0 > lo_min / bs ? b0 : lo_min / bs;
     decode_spans<D>(pool, a.tables + static_cast<int64_t>(s) * a.B, bs, bb, be, n_keys, t);
   }
-  for (int r = 0; r < t.R; ++r) {
-    float* pr = part + static_cast<size_t>(r) * (D + 2);
-    std::memcpy(pr, t.acc + r * D, sizeof(float) * D);
-    pr[D] = t.m[r];
-    pr[D + 1] = t.l[r];
-  }
+  store_partials(part, t.R, D, t.acc, t.m, t.l);
 }
 
 // Kv head kh's packed rows for prefill_blocks: a block's keys and values
@@ -325,12 +320,7 @@ void prefill_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int
     const int64_t bb = b0 > t.lo_min / bs ? b0 : t.lo_min / bs;
     prefill_blocks<D>(pool, a.tables + static_cast<int64_t>(s) * a.B, bs, bb, be, t);
   }
-  for (int r = 0; r < R; ++r) {
-    float* pr = part + static_cast<size_t>(r) * (D + 2);
-    std::memcpy(pr, t.acc + r * D, sizeof(float) * D);
-    pr[D] = t.m[r];
-    pr[D + 1] = t.l[r];
-  }
+  store_partials(part, R, D, t.acc, t.m, t.l);
 }
 
 // A work item by its rows: decode (fewer than 16) or prefill.

@@ -281,12 +281,7 @@ void decode_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
                  alpha, acc);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* pr = part + static_cast<size_t>(r) * (D + 2);
-    std::memcpy(pr, acc + r * D, sizeof(float) * D);
-    pr[D] = m[r];
-    pr[D + 1] = l[r];
-  }
+  store_partials(part, R, D, acc, m, l);
 }
 
 template <int D, int KB, int VB, bool VT, int GR>
