@@ -63,9 +63,7 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
       const bool line = ((k0 * BITS / 8) & 63) == 0;  // one prefetch per line (qmm_avx512.cpp)
       for (int r = 0; r < R; ++r) {
         if (line) {
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + (r + kPrefetchRows) * c.row_bytes +
-                                                     k0 * BITS / 8),
-                       _MM_HINT_T0);
+          prefetch_weights(w0 + (r + kPrefetchRows) * c.row_bytes + k0 * BITS / 8);
         }
         const __m256 s = _mm256_broadcast_ss(sc + r * G + g);
         const __m256 b = _mm256_broadcast_ss(bi + r * G + g);
@@ -117,7 +115,7 @@ inline void gemv_tile_dense(const GemvCtx& c, int64_t m0, int64_t n, float* yb) 
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(w0 + (r + kPrefetchRows) * c.row_bytes + k * es, _MM_HINT_T0);
+      prefetch_weights(w0 + (r + kPrefetchRows) * c.row_bytes + k * es);
       __m256 wv = load8_cvt(w0 + r * c.row_bytes, a.w_dtype, k);
       for (int m = 0; m < MM; ++m) {
         acc[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp + m * K + k), acc[r][m]);

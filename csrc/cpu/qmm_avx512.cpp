@@ -122,7 +122,7 @@ __attribute__((always_inline)) inline void gemv_tile(const GemvCtx& c, int64_t m
       const bool line = ((g * CPG + ch) & (kChunksPerLine - 1)) == 0;
       __m512 lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
-        if (line) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + pf), _MM_HINT_T0);
+        if (line) prefetch_weights(wr[r] + pf);
         if (BITS == 4) {
           __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r])));
           lo[r] = _mm512_permutexvar_ps(q, s[r]);  // vpermps reads only index bits 3:0
@@ -163,7 +163,7 @@ inline void gemv_tile_dense(const GemvCtx& c, int64_t m0, int64_t n, float* yb) 
     const __mmask16 mk = tail_mask(K - k);
     __m512 wv[R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(w0 + (r + kPrefetchRows) * c.row_bytes + k * es, _MM_HINT_T0);
+      prefetch_weights(w0 + (r + kPrefetchRows) * c.row_bytes + k * es);
       wv[r] = load_cvt(w0 + r * c.row_bytes, a.w_dtype, k, mk);
     }
     for (int m = 0; m < MM; ++m) {

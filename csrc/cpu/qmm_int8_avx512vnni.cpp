@@ -171,7 +171,7 @@ __attribute__((always_inline)) inline void tile(const Int8Ctx& c, int64_t m0, in
     __m512i lo[R], hi[R];
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr[r] + pf), _MM_HINT_T0);
+      prefetch_weights(wr[r] + pf);
       const __m512i w = _mm512_maskz_loadu_epi8(wm, wr[r]);
       wr[r] += CB;
       if (BITS == 4) {
