@@ -116,21 +116,25 @@ def test_gguf_reads_as_gemma3(gemma):
     assert model.model.embed_tokens.bits == 8
 
 
-_REFERENCE_LOGITS: dict[int, np.ndarray] = {}
-
-
-def _top1_agreement(model, tok, llm) -> float:
-    """Teacher-forced top-1 agreement with llama.cpp over 4 x 128+ positions
-    (code, a story, JSON records, GPL prose); where they differ it must be a
-    near tie for llama.cpp, not another answer."""
+@pytest.fixture(scope="module")
+def llama_cpp_reference(gemma, llama_cpp_model):
+    """Code, a story, JSON records and GPL prose (128-160 tokens each) with
+    llama.cpp's logits for them: computed once, for every mode compared."""
+    _, tok = gemma
     gpl = (DATA / "gpl-3.0.txt").read_text()[4000:7000]
-    agree, total = 0, 0
-    for i, text in enumerate((CODE, STORY, RECORDS, gpl)):
+    out = []
+    for text in (CODE, STORY, RECORDS, gpl):
         ids = tok.encode(text, add_special_tokens=True)[:160]
         assert len(ids) >= 128
-        if i not in _REFERENCE_LOGITS:
-            _REFERENCE_LOGITS[i] = _llama_cpp_logits(llm, ids)
-        ref = _REFERENCE_LOGITS[i]
+        out.append((ids, _llama_cpp_logits(llama_cpp_model, ids)))
+    return out
+
+
+def _top1_agreement(model, reference) -> float:
+    """Teacher-forced top-1 agreement with llama.cpp; where they differ it
+    must be a near tie for llama.cpp, not another answer."""
+    agree, total = 0, 0
+    for ids, ref in reference:
         ours = _one_shot(model, ids)
         r, o = ref.argmax(-1), ours.argmax(-1)
         agree += int((r == o).sum())
@@ -142,9 +146,9 @@ def _top1_agreement(model, tok, llm) -> float:
 
 
 @pytest.mark.slow
-def test_teacher_forced_top1_agrees_with_llama_cpp(gemma, llama_cpp_model):
-    model, tok = gemma
-    top1 = _top1_agreement(model, tok, llama_cpp_model)
+def test_teacher_forced_top1_agrees_with_llama_cpp(gemma, llama_cpp_reference):
+    model, _ = gemma
+    top1 = _top1_agreement(model, llama_cpp_reference)
     print(f"top-1 agreement {top1:.3f}")
     assert top1 >= 0.95, f"top-1 agreement {top1:.3f}"
 
@@ -152,13 +156,13 @@ def test_teacher_forced_top1_agrees_with_llama_cpp(gemma, llama_cpp_model):
 @pytest.mark.slow
 @pytest.mark.skipif(ops.int8_activations_unsupported() != "",
                     reason=f"no int8 kernel on this CPU: {ops.int8_activations_unsupported()}")
-def test_int8_activations_agree_with_llama_cpp(gemma_int8, llama_cpp_model):
+def test_int8_activations_agree_with_llama_cpp(gemma_int8, llama_cpp_reference):
     """--matmul-activations int8 (llama.cpp's own activation rounding) keeps
     the same bar on Gemma 3: the mode the Gemma benchmark's figures with
     int8 are taken in (bench/bench_generate.py --matmul-activations int8)."""
-    model, tok = gemma_int8
+    model, _ = gemma_int8
     assert model.matmul_activations == "int8"
-    top1 = _top1_agreement(model, tok, llama_cpp_model)
+    top1 = _top1_agreement(model, llama_cpp_reference)
     print(f"int8 activations: top-1 agreement {top1:.3f}")
     assert top1 >= 0.95, f"top-1 agreement {top1:.3f}"
 
