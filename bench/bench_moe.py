@@ -4,6 +4,7 @@ same proportions of widths; a tiny vocabulary).
 
     .venv/bin/python bench/bench_moe.py [--layers 16] [--hidden 1024] [--decode 128]
         [--rounds 3] [--streams 1 8] [--keep FILE.gguf]
+        [--matmul-activations int8]   # also mlxfast with int8 activations, same rounds
 
 Reports, for mlxfast at 1 and 8 streams (the engine, every stream's tokens
 in one step) and the library's one-sequence path, and llama.cpp
@@ -129,7 +130,7 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 # ------------------------------------------------------------------ mlxfast
 
-def bench_mlxfast(path, n_decode: int, streams: list[int]) -> dict:
+def bench_mlxfast(path, n_decode: int, streams: list[int], activations: str = "fp32") -> dict:
     import asyncio
 
     import mlxfast
@@ -138,7 +139,7 @@ def bench_mlxfast(path, n_decode: int, streams: list[int]) -> dict:
     from mlxfast.engine.engine import Engine
     from mlxfast.generation import stream_generate
 
-    model, tok = mlxfast.load(path)
+    model, tok = mlxfast.load(path, matmul_activations=activations)
     vocab = model.args.vocab_size
     out = {}
     ids = prompts(1, 32, vocab)[0]
@@ -325,12 +326,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--keep", default=None, help="write (or reuse) the GGUF here")
+    ap.add_argument("--matmul-activations", choices=["fp32", "int8"], default="fp32",
+                    help="int8: also run mlxfast with int8 activations (alternating rounds)")
     ap.add_argument("--one-round", choices=["mlxfast", "llama.cpp", "bytes"], help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.one_round:  # child: one engine, one round, JSON on the last line
-        fn = {"mlxfast": lambda: bench_mlxfast(args.model, args.decode, args.streams),
+        fn = {"mlxfast": lambda: bench_mlxfast(args.model, args.decode, args.streams,
+                                               args.matmul_activations),
               "llama.cpp": lambda: bench_llama_cpp(args.model, args.decode, args.streams),
               "bytes": lambda: routing_bytes(args.model, args.streams)}[args.one_round]
         print(json.dumps(fn()))
@@ -349,22 +353,27 @@ def main() -> None:
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s")
     print("layout:", json.dumps(L))
 
-    def child(kind):
+    def child(kind, activations="fp32"):
         cmd = [sys.executable, __file__, "--one-round", kind, "--model", str(path), "--decode",
-               str(args.decode), "--streams", *map(str, args.streams)]
+               str(args.decode), "--streams", *map(str, args.streams),
+               "--matmul-activations", activations]
         res = subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(res.stdout.strip().splitlines()[-1])
 
-    rounds = {"mlxfast": [], "llama.cpp": []}
+    engines = {"mlxfast": ("mlxfast", "fp32"), "llama.cpp": ("llama.cpp", "fp32")}
+    if args.matmul_activations == "int8":
+        engines["mlxfast int8"] = ("mlxfast", "int8")
+    rounds = {name: [] for name in engines}
     for _ in range(args.rounds):
-        for name in rounds:
-            r = child(name)
+        for name, (kind, act) in engines.items():
+            r = child(kind, act)
             if r is not None:
                 rounds[name].append(r)
     nbytes = child("bytes")
     bw = copy_gbs()
 
-    ours = {k: statistics.median(r[k] for r in rounds["mlxfast"]) for k in rounds["mlxfast"][0]}
+    ours = {name: {k: statistics.median(r[k] for r in rounds[name]) for k in rounds[name][0]}
+            for name in engines if name.startswith("mlxfast")}
     print(f"\ncopy bandwidth {bw:.1f} GB/s (numpy, read + write); rounds {args.rounds}, "
           f"{args.decode} tokens each; medians")
     print(f"expert {nbytes['expert_bytes'] / 2**20:.2f} MiB, dense weights "
@@ -374,9 +383,11 @@ def main() -> None:
     for s in args.streams:
         read = nbytes[f"read_bytes_per_token_{s}"]
         limit = bw * 1e9 / read  # aggregate tok/s if every byte moved at copy speed
-        for key in (f"engine_{s}",) + (("library_1",) if s == 1 else ()):
-            tps = ours[key]
-            print(f"mlxfast {key:<14}{tps:>9.1f}{read / 2**20:>14.1f}{limit:>13.1f}{tps / limit:>8.0%}")
+        for name, rows in ours.items():
+            for key in (f"engine_{s}",) + (("library_1",) if s == 1 else ()):
+                tps = rows[key]
+                label = f"{name} {key}"
+                print(f"{label:<22}{tps:>9.1f}{read / 2**20:>14.1f}{limit:>13.1f}{tps / limit:>8.0%}")
         print(f"{'':<22}(distinct experts per layer and step: "
               f"{nbytes[f'distinct_experts_per_layer_{s}']:.1f} of {L['experts']})")
     if rounds["llama.cpp"]:
@@ -386,16 +397,17 @@ def main() -> None:
             read = nbytes[f"read_bytes_per_token_{s}"]
             print(f"{'llama.cpp ' + key:<22}{cpp:>9.1f}{'':>14}{bw * 1e9 / read:>13.1f}"
                   f"{cpp / (bw * 1e9 / read):>8.0%}")
-        for s in args.streams:
-            if s > 1:
-                per = [a[f"engine_{s}"] / b[f"batched_{s}"]
-                       for a, b in zip(rounds["mlxfast"], rounds["llama.cpp"])]
-                print(f"{s} streams vs llama.cpp batched: {statistics.median(per):.2f}x "
-                      f"(rounds {', '.join(f'{v:.2f}' for v in per)})")
-        per = [a["library_1"] / b["library_1"] for a, b in zip(rounds["mlxfast"], rounds["llama.cpp"])]
-        per_e = [a["engine_1"] / b["library_1"] for a, b in zip(rounds["mlxfast"], rounds["llama.cpp"])]
-        print(f"1 stream vs llama.cpp: library {statistics.median(per):.2f}x "
-              f"(rounds {', '.join(f'{v:.2f}' for v in per)}), engine {statistics.median(per_e):.2f}x")
+        for name in ours:
+            for s in args.streams:
+                if s > 1:
+                    per = [a[f"engine_{s}"] / b[f"batched_{s}"]
+                           for a, b in zip(rounds[name], rounds["llama.cpp"])]
+                    print(f"{name}, {s} streams vs llama.cpp batched: {statistics.median(per):.2f}x "
+                          f"(rounds {', '.join(f'{v:.2f}' for v in per)})")
+            per = [a["library_1"] / b["library_1"] for a, b in zip(rounds[name], rounds["llama.cpp"])]
+            per_e = [a["engine_1"] / b["library_1"] for a, b in zip(rounds[name], rounds["llama.cpp"])]
+            print(f"{name}, 1 stream vs llama.cpp: library {statistics.median(per):.2f}x "
+                  f"(rounds {', '.join(f'{v:.2f}' for v in per)}), engine {statistics.median(per_e):.2f}x")
     if tmp:
         tmp.cleanup()
 

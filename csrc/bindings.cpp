@@ -119,15 +119,15 @@ NB_MODULE(_ext, m) {
            const mx::array& uw, std::optional<mx::array> us, std::optional<mx::array> ub,
            const mx::array& dw, std::optional<mx::array> ds, std::optional<mx::array> db,
            int group_size, int bits, std::optional<mx::array> norm, float eps,
-           std::optional<mx::array> residual, mx::StreamOrDevice s) {
+           std::optional<mx::array> residual, bool int8, mx::StreamOrDevice s) {
           return mlxfast::moe_experts(x, inds, scores, {gw, gs, gb}, {uw, us, ub}, {dw, ds, db},
-                                      group_size, bits, norm, eps, residual, s);
+                                      group_size, bits, norm, eps, residual, int8, s);
         },
         "x"_a, "inds"_a, "scores"_a, "gate_w"_a, "gate_scales"_a.none(), "gate_biases"_a.none(),
         "up_w"_a, "up_scales"_a.none(), "up_biases"_a.none(), "down_w"_a,
         "down_scales"_a.none(), "down_biases"_a.none(), nb::kw_only(), "group_size"_a = 64,
         "bits"_a = 4, "norm"_a = nb::none(), "eps"_a = 0.f, "residual"_a = nb::none(),
-        "stream"_a = nb::none());
+        "int8"_a = false, "stream"_a = nb::none());
 
   mlxfast::bind_io(m);  // SSD-tier I/O: csrc/io/
 }

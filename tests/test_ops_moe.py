@@ -199,6 +199,63 @@ def test_symmetric_weights_without_biases(path, bits, T):
     assert rel_err(got, ref) < TOL[mx.float32]
 
 
+# Int8 activations: against the reference that quantizes each projection's
+# input rows the same way (fake_quantize_activations_int8). The kernel sums
+# in another order, so an intermediate value (silu(gate) * up) lying on an
+# int8 rounding boundary can round the other way: one quantization step in
+# one of the down projection's inputs, up to ~3e-4 of the output's scale
+# here (most cases agree to 1e-6). TOL_INT8 allows that and is still 5x
+# below the distance to fp32 activations (~1e-2), which the test asserts.
+TOL_INT8 = 2e-3
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64), (4, 128), (3, 64)])
+@pytest.mark.parametrize("T,k,everyone", [(1, 2, None), (3, 4, None), (40, 3, 2), (64, 2, None)])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["biases", "symmetric"])
+def test_int8_activations_match_reference(path, bits, group_size, T, k, everyone, symmetric):
+    """Light experts (the int8 GEMV pieces) and, with expert 2 in all 40
+    tokens' choices, a heavy one (the int8 GEMM); with and without biases."""
+    w = experts(bits, group_size, seed=T)
+    if symmetric:
+        w = {n: (wq, mx.abs(s), None) for n, (wq, s, _) in w.items()}
+    mx.random.seed(T + k)
+    x = mx.random.normal((T, D)) * mx.random.uniform(0.2, 3.0, (T, 1))
+    inds, scores = routing(T, k, seed=T, everyone=everyone)
+    got, ref = run_both(x, inds, scores, w, bits, group_size, activations="int8")
+    fp32 = moe_experts_reference(x, inds, scores, w["gate"], w["up"], w["down"],
+                                 group_size=group_size, bits=bits)
+    err, err_fp32 = rel_err(got, ref), rel_err(got, fp32)
+    assert err < TOL_INT8 and err < err_fp32 / 5, (err, err_fp32)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_int8_activations_half_inputs_and_fused_pieces(path, dtype):
+    w = experts(4, 32, sdtype=dtype)
+    mx.random.seed(7)
+    x = mx.random.normal((5, D)).astype(dtype)
+    norm = (mx.random.uniform(0.5, 1.5, (D,)).astype(dtype), 1e-5)
+    res = mx.random.normal((5, D)).astype(dtype)
+    inds, scores = routing(5, 3, seed=7)
+    got, ref = run_both(x, inds, scores, w, 4, 32, norm=norm, residual=res, activations="int8")
+    # The reference rounds every intermediate to the half type; the kernel
+    # keeps them in fp32 (twice the half tolerance, as the fused fp32 test).
+    assert got.dtype == dtype and rel_err(got, ref) < 2 * TOL[dtype]
+
+
+def test_int8_activations_need_quantized_weights():
+    w = experts(0, 0)
+    x = mx.random.normal((2, D))
+    inds, scores = routing(2, 2)
+    for fn in (ops.moe_experts, moe_experts_reference):
+        with pytest.raises(ValueError, match="moe_experts.*int8 activations need quantized"):
+            fn(x, inds, scores, w["gate"], w["up"], w["down"], group_size=64, bits=0,
+               activations="int8")
+    w = experts(4, 32)
+    with pytest.raises(ValueError, match="moe_experts.*activations must be"):
+        ops.moe_experts(x, inds, scores, w["gate"], w["up"], w["down"], group_size=32, bits=4,
+                        activations="int4")
+
+
 def test_empty_and_bad_inputs():
     w = experts(4, 32)
     got = ops.moe_experts(mx.zeros((0, D)), mx.zeros((0, 2), mx.uint32), mx.zeros((0, 2)),

@@ -124,10 +124,33 @@ void run_neon(const Args& a);
 // GEMV specializes (AVX2 / AVX-512: 0, 4, 8; NEON: 4, 8) and any M; the
 // portable path takes every width and dense weights.
 constexpr int64_t kGemvBlockRows = 16;
-inline size_t gemv_prep_floats(const Args& a) { return static_cast<size_t>((a.M + 1) * a.K); }
+
+// Rows up to which the int8-activation kernels run their GEMV tile; more
+// rows take their GEMM (see qmm_int8_avx512vnni.cpp for the measurements).
+constexpr int64_t kInt8GemvMaxRows = 7;
+
+// The floats gemv_prepare_* writes (a multiple of 16: consecutive buffers
+// stay 64-byte aligned when the first is). Int8 activations: the VNNI
+// layout's bound (int8 rows padded to 128 values, a scale per 8 or 4 values,
+// d * sum(xq) per 32-value block padded to 16 blocks), which the portable
+// layout also fits in.
+inline size_t gemv_prep_floats(const Args& a) {
+  auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
+  if (!a.int8_acts) return static_cast<size_t>(up((a.M + 1) * a.K, 16));
+  const int64_t Kp = up(a.K, 128);
+  return static_cast<size_t>(up(a.M * Kp / 4, 16) + a.M * (Kp / 4 + up(a.K / kActBlock, 16)));
+}
 
 void gemv_prepare_portable(const Args& a, float* xp);
 void gemv_block_portable(const Args& a, const float* xp, int64_t n0, int64_t n1);
+// The int8-activation GEMV in the same two pieces (a.int8_acts; portable:
+// bits 2..8; VNNI: bits 4 and 8, only where cpu_has_avx512_vnni()).
+void gemv_prepare_int8_portable(const Args& a, float* xp);
+void gemv_block_int8_portable(const Args& a, const float* xp, int64_t n0, int64_t n1);
+#if defined(MLXFAST_X86)
+void gemv_prepare_int8_avx512vnni(const Args& a, float* xp);
+void gemv_block_int8_avx512vnni(const Args& a, const float* xp, int64_t n0, int64_t n1);
+#endif
 #if defined(MLXFAST_X86)
 void gemv_prepare_avx2(const Args& a, float* xp);
 void gemv_block_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1);

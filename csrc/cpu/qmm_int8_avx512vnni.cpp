@@ -289,8 +289,8 @@ constexpr int kGNR = 16;  // weight rows per micro-tile (one zmm of lanes)
 // Rows up to which the GEMV tile runs; the GEMM from 8 rows on. The default
 // model's matmul shapes for one step, one thread, interleaved runs (int8
 // GEMV vs GEMM): 6 rows 2.18 vs 2.68 ms, 8 rows 3.11 vs 2.87 ms, 16 rows
-// 5.70 vs 3.66 ms (the 8-bit head: GEMV ~1.0x of fp32, GEMM 1.6x).
-constexpr int64_t kInt8GemvMaxRows = 7;
+// 5.70 vs 3.66 ms (the 8-bit head: GEMV ~1.0x of fp32, GEMM 1.6x). Hence
+// kInt8GemvMaxRows (qmm.h) = 7.
 
 struct GemmCtx {
   const Args* a;
@@ -526,31 +526,42 @@ void gemm_bits(const Args& a) {
   tl_x.trim(kKeepScratchFloats);
 }
 
+// The prepared activations of a.M rows in buf (64-byte aligned, at least
+// gemv_prep_floats(a) floats): the xq bytes, then the lane and block scales.
 template <int BITS>
-void run_bits(const Args& a) {
+Int8Ctx int8_ctx(const Args& a, const float* buf) {
   constexpr int64_t VPC = vpc<BITS>();
-  const int64_t M = a.M, K = a.K;
+  const int64_t K = a.K;
   Int8Ctx c{&a, nullptr, nullptr, nullptr, K / a.group_size, K * BITS / 8, 0, 0, 0, 0};
   c.Kp = round_up(K, VPC);
   const int64_t tail_bytes = (K - (c.Kp - VPC)) * BITS / 8;
   c.tail = tail_bytes >= 64 ? ~0ull : (1ull << tail_bytes) - 1;
   c.nl = c.Kp / VPC * 16;
   c.Bp = round_up(K / kActBlock, 16);
-  // One scratch: xq bytes, then the lane and block scales (64-byte aligned).
-  const int64_t xq_floats = round_up(M * c.Kp / 4, 16);
-  float* buf = tl_x.get(static_cast<size_t>(xq_floats + M * c.nl + M * c.Bp + 16));
+  const int64_t xq_floats = round_up(a.M * c.Kp / 4, 16);
   c.xq = reinterpret_cast<const int8_t*>(buf);
   c.dl = buf + xq_floats;
-  c.sxb = buf + xq_floats + M * c.nl;
+  c.sxb = c.dl + a.M * c.nl;
+  return c;
+}
+
+template <int BITS>
+void prepare_rows(const Int8Ctx& c, int64_t m0, int64_t m1) {
+  float* tmp = tl_t.get(static_cast<size_t>(c.a->K));
+  for (int64_t m = m0; m < m1; ++m) prepare_row<BITS>(c, m, tmp);
+}
+
+template <int BITS>
+void run_bits(const Args& a) {
+  const int64_t M = a.M;
+  float* buf = tl_x.get(gemv_prep_floats(a));
+  Int8Ctx c = int8_ctx<BITS>(a, buf);
   const Int8Ctx* pc = &c;
-  auto prep = [pc, K](int64_t m0, int64_t m1) {
-    float* tmp = tl_t.get(static_cast<size_t>(K));
-    for (int64_t m = m0; m < m1; ++m) prepare_row<BITS>(*pc, m, tmp);
-  };
   if (M >= 32) {
+    auto prep = [pc](int64_t m0, int64_t m1) { prepare_rows<BITS>(*pc, m0, m1); };
     par(M, 16, prep);
   } else {
-    prep(0, M);
+    prepare_rows<BITS>(c, 0, M);
   }
   // Tasks: 16 weight rows (L1-resident) against a block of activation rows
   // small enough to stay in L2 (their int8 rows and scales).
@@ -574,6 +585,26 @@ void run_bits(const Args& a) {
 }
 
 } // namespace
+
+void gemv_prepare_int8_avx512vnni(const Args& a, float* xp) {
+  if (a.bits == 4) {
+    prepare_rows<4>(int8_ctx<4>(a, xp), 0, a.M);
+  } else if (a.bits == 8) {
+    prepare_rows<8>(int8_ctx<8>(a, xp), 0, a.M);
+  } else {
+    gemv_prepare_int8_portable(a, xp);
+  }
+}
+
+void gemv_block_int8_avx512vnni(const Args& a, const float* xp, int64_t n0, int64_t n1) {
+  if (a.bits == 4) {
+    unit<4>(int8_ctx<4>(a, xp), 0, a.M, n0, n1);
+  } else if (a.bits == 8) {
+    unit<8>(int8_ctx<8>(a, xp), 0, a.M, n0, n1);
+  } else {
+    gemv_block_int8_portable(a, xp, n0, n1);
+  }
+}
 
 void run_int8_avx512vnni(const Args& a) {
   if (a.bits != 4 && a.bits != 8) return run_int8_portable(a);

@@ -71,6 +71,7 @@ struct Plan {
   qmm::DType s_dtype = qmm::F32, w_dtype = qmm::F32;
   mx::Dtype x_dtype = mx::float32, norm_dtype = mx::float32, scores_dtype = mx::float32;
   bool inds_signed = true;
+  bool int8_acts = false;  // the projections' activations quantized to int8 (qmm::Args)
   float eps = 0.f;
   DenseInput x, inds, scores, norm, residual;
   bool has_norm = false, has_residual = false;
@@ -96,6 +97,7 @@ qmm::Args expert_args(const Plan& P, const Proj& p, int64_t e, const float* x, f
   a.x_dtype = qmm::F32;
   a.s_dtype = P.s_dtype;
   a.w_dtype = P.w_dtype;
+  a.int8_acts = P.int8_acts;
   return a;
 }
 
@@ -104,8 +106,17 @@ struct GemvFns {
   void (*block)(const qmm::Args&, const float*, int64_t, int64_t);
 };
 
-// The GEMV pieces of the path's quantized matmul for these bits.
-GemvFns gemv_fns(CpuPath path, int bits) {
+// The GEMV pieces of the path's quantized matmul for these bits (int8
+// activations: as quantized_matmul picks its int8 kernel).
+GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts) {
+  if (int8_acts) {
+#if defined(MLXFAST_X86)
+    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) {
+      return {qmm::gemv_prepare_int8_avx512vnni, qmm::gemv_block_int8_avx512vnni};
+    }
+#endif
+    return {qmm::gemv_prepare_int8_portable, qmm::gemv_block_int8_portable};
+  }
   switch (path) {
 #if defined(MLXFAST_X86)
     case CpuPath::Avx512:
@@ -126,6 +137,12 @@ GemvFns gemv_fns(CpuPath path, int bits) {
 }
 
 void run_qmm(const qmm::Args& a, CpuPath path) {  // the whole matmul, with its fan-out
+  if (a.int8_acts) {
+#if defined(MLXFAST_X86)
+    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) return qmm::run_int8_avx512vnni(a);
+#endif
+    return qmm::run_int8_portable(a);
+  }
   switch (path) {
 #if defined(MLXFAST_X86)
     case CpuPath::Avx512: qmm::run_avx512(a); break;
@@ -223,26 +240,31 @@ void run_experts(Plan P) {
     }
   }
   std::vector<int64_t> light, heavy;
+  const int64_t light_rows = P.int8_acts ? qmm::kInt8GemvMaxRows : kLightRows;
   for (int64_t e = 0; e < E; ++e) {
     if (count[e] == 0) continue;
-    (count[e] <= kLightRows ? light : heavy).push_back(e);
+    (count[e] <= light_rows ? light : heavy).push_back(e);
   }
-  // Per light expert, the offsets of its prepared activations (gemv layout).
+  // Per light expert, the offsets of its prepared activations (gemv layout,
+  // multiples of 16 floats: each expert's stays 64-byte aligned).
   std::vector<int64_t> xp_off(light.size() + 1, 0), hp_off(light.size() + 1, 0);
   for (size_t i = 0; i < light.size(); ++i) {
-    xp_off[i + 1] = xp_off[i] + (count[light[i]] + 1) * D;
-    hp_off[i + 1] = hp_off[i] + (count[light[i]] + 1) * I;
+    const int64_t n = count[light[i]];
+    xp_off[i + 1] = xp_off[i] + static_cast<int64_t>(qmm::gemv_prep_floats(expert_args(P, P.gate, 0, nullptr, nullptr, n)));
+    hp_off[i + 1] = hp_off[i] + static_cast<int64_t>(qmm::gemv_prep_floats(expert_args(P, P.down, 0, nullptr, nullptr, n)));
   }
 
   // fp32 buffers: Xs [rows][D] (sorted x rows), XP, G, U, H [rows][I], HP, Y [rows][D].
   const int64_t n_xs = rows * D, n_xp = xp_off.back(), n_i = rows * I, n_hp = hp_off.back();
-  float* buf = tl_buf.get(static_cast<size_t>(n_xs + n_xp + 3 * n_i + n_hp + rows * D + 16));
+  const auto up16 = [](int64_t n) { return (n + 15) / 16 * 16; };
+  float* buf = tl_buf.get(static_cast<size_t>(up16(n_xs) + n_xp + 3 * up16(n_i) + n_hp + rows * D + 16));
+  // Each buffer starts 64-byte aligned (the GEMV layouts are read so).
   float* Xs = buf;
-  float* XP = Xs + n_xs;
+  float* XP = Xs + up16(n_xs);
   float* G = XP + n_xp;
-  float* U = G + n_i;
-  float* H = U + n_i;
-  float* HP = H + n_i;
+  float* U = G + up16(n_i);
+  float* H = U + up16(n_i);
+  float* HP = H + up16(n_i);
   float* Y = HP + n_hp;
 
   // x (normalised first when fused) gathered in expert order, as fp32.
@@ -269,7 +291,7 @@ void run_experts(Plan P) {
     }
   });
 
-  const GemvFns fns = gemv_fns(P.path, P.bits);
+  const GemvFns fns = gemv_fns(P.path, P.bits, P.int8_acts);
   const int64_t nL = static_cast<int64_t>(light.size());
   // Light experts' activations in the GEMV layout (per expert; few rows).
   auto prepare = [&](const Proj& p, const float* src, float* dst, const std::vector<int64_t>& off) {
@@ -487,12 +509,14 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
                       const ExpertWeights& gate, const ExpertWeights& up,
                       const ExpertWeights& down, int group_size, int bits,
                       const std::optional<mx::array>& norm_weight, float eps,
-                      const std::optional<mx::array>& residual, mx::StreamOrDevice s) {
+                      const std::optional<mx::array>& residual, bool int8_acts,
+                      mx::StreamOrDevice s) {
   const char* op = "moe_experts";
   if (bits != 0 && bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     fail(op, "bits must be 0 (dense weights) or one of 2, 3, 4, 5, 6, 8, got " +
                  std::to_string(bits) + ".");
   }
+  if (int8_acts && bits == 0) fail(op, "int8 activations need quantized weights (bits > 0).");
   if (bits > 0 && group_size != 32 && group_size != 64 && group_size != 128) {
     fail(op, "group_size must be 32, 64 or 128, got " + std::to_string(group_size) + ".");
   }
@@ -548,7 +572,8 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
   if (residual) inputs.push_back(*residual);
   return mx::array(x.shape(), x.dtype(),
                    std::make_shared<MoeExperts>(stream, group_size, bits, sym,
-                                                norm_weight.has_value(), eps, residual.has_value()),
+                                                norm_weight.has_value(), eps, residual.has_value(),
+                                                int8_acts),
                    std::move(inputs));
 }
 
@@ -588,6 +613,7 @@ void MoeExperts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   P.x_dtype = x.dtype();
   P.scores_dtype = inputs[2].dtype();
   P.eps = eps_;
+  P.int8_acts = int8_acts_;
   P.out = out.data<void>();
   if (P.T == 0 || P.D == 0) return;
   P.x = dense_input(x, enc);

@@ -66,21 +66,24 @@ struct ExpertWeights {
 // nothing); scores [..., k] float. Returns [..., D] in x's dtype (with a
 // norm: the promoted dtype of x and the norm weight, as rms_norm), the sum
 // over k in float32 in choice order, rounded once, then residual added as
-// MLX's add. Inputs of the primitive: x, inds, scores, gate (w[, scales[,
-// biases]]), up (...), down (...)[, norm_weight][, residual].
+// MLX's add. int8_acts (opt-in, quantized weights only): each projection's
+// activations quantized to int8 per 32 values, as quantized_matmul's
+// (qmm::Args::int8_acts). Inputs of the primitive: x, inds, scores, gate
+// (w[, scales[, biases]]), up (...), down (...)[, norm_weight][, residual].
 mx::array moe_experts(const mx::array& x, const mx::array& inds, const mx::array& scores,
                       const ExpertWeights& gate, const ExpertWeights& up,
                       const ExpertWeights& down, int group_size, int bits,
                       const std::optional<mx::array>& norm_weight, float eps,
-                      const std::optional<mx::array>& residual, mx::StreamOrDevice s = {});
+                      const std::optional<mx::array>& residual, bool int8_acts = false,
+                      mx::StreamOrDevice s = {});
 
 class MoeExperts : public mx::Primitive {
  public:
   // sym: bit p set when projection p (gate, up, down) has no biases.
   MoeExperts(mx::Stream stream, int group_size, int bits, int sym, bool norm, float eps,
-             bool residual)
+             bool residual, bool int8_acts)
       : mx::Primitive(stream), group_size_(group_size), bits_(bits), sym_(sym), norm_(norm),
-        eps_(eps), residual_(residual) {}
+        eps_(eps), residual_(residual), int8_acts_(int8_acts) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
@@ -89,7 +92,7 @@ class MoeExperts : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const MoeExperts&>(other);
     return group_size_ == o.group_size_ && bits_ == o.bits_ && sym_ == o.sym_ && norm_ == o.norm_ &&
-           eps_ == o.eps_ && residual_ == o.residual_;
+           eps_ == o.eps_ && residual_ == o.residual_ && int8_acts_ == o.int8_acts_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -99,7 +102,7 @@ class MoeExperts : public mx::Primitive {
   int group_size_, bits_, sym_;
   bool norm_;
   float eps_;
-  bool residual_;
+  bool residual_, int8_acts_;
 };
 
 } // namespace mlxfast

@@ -91,7 +91,9 @@ class SwitchLinear(nn.Module):
 
 class QuantizedSwitchLinear(nn.Module):
     """Stacked MLX affine-quantized expert weights: weight ``[E, out, in * bits
-    / 32]`` uint32, scales and biases ``[E, out, in / group_size]``."""
+    / 32]`` uint32, scales and biases ``[E, out, in / group_size]``.
+    ``activations`` ("fp32" or "int8", set by layers.set_matmul_activations)
+    is passed to ``ops.moe_experts``, as QuantizedLinear's to its matmul."""
 
     def __init__(self, in_dims: int, out_dims: int, num_experts: int, group_size: int, bits: int):
         super().__init__()
@@ -99,6 +101,7 @@ class QuantizedSwitchLinear(nn.Module):
             raise ValueError(f"input size {in_dims} is not a multiple of the group size {group_size}")
         self.group_size = group_size
         self.bits = bits
+        self.activations = "fp32"
         self.weight = mx.zeros((num_experts, out_dims, in_dims * bits // 32), dtype=mx.uint32)
         self.scales = mx.zeros((num_experts, out_dims, in_dims // group_size))
         self.biases = mx.zeros((num_experts, out_dims, in_dims // group_size))
@@ -130,6 +133,13 @@ class SwitchGLU(nn.Module):
         _, group_size, bits = kinds.pop()
         return group_size, bits
 
+    def activations(self) -> str:
+        """The experts' matmul activations ("fp32" or "int8"), shared by the three."""
+        kinds = {getattr(p, "activations", "fp32") for p in (self.gate_proj, self.up_proj, self.down_proj)}
+        if len(kinds) != 1:
+            raise ValueError("the experts' gate, up and down projections must share their activations")
+        return kinds.pop()
+
 
 class SparseMoE(nn.Module):
     """Router + top-k + experts: ``residual + sum_j w_j expert_j(norm(x))``,
@@ -159,7 +169,7 @@ class SparseMoE(nn.Module):
         sw = self["switch_mlp"]
         return ops.moe_experts(x, inds, scores, sw["gate_proj"].params(), sw["up_proj"].params(),
                                sw["down_proj"].params(), group_size=self.group_size, bits=self.bits,
-                               norm=norm_args, residual=residual)
+                               norm=norm_args, residual=residual, activations=sw.activations())
 
 
 class Block(nn.Module):

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .. import _ext
 from . import dispatch
-from .matmul import symmetric_biases
+from .matmul import ACTIVATIONS, fake_quantize_activations_int8, symmetric_biases
 from .norm_rope import rms_norm, rms_norm_reference
 
 
@@ -89,12 +89,25 @@ def _gather_sort(x: mx.array, inds: mx.array):
     return x.flatten(0, -3)[order // k], flat[order], inv_order
 
 
+def _check_activations(activations: str, bits: int) -> None:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"[mlxfast.moe_experts] activations must be one of {ACTIVATIONS}, "
+                         f"got {activations!r}.")
+    if activations == "int8" and bits == 0:
+        raise ValueError("[mlxfast.moe_experts] int8 activations need quantized weights.")
+
+
 def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *,
                           group_size: int = 64, bits: int = 4, norm: tuple | None = None,
-                          residual: mx.array | None = None) -> mx.array:
+                          residual: mx.array | None = None,
+                          activations: str = "fp32") -> mx.array:
     """Pure-MLX :func:`moe_experts`: mlx-lm's ``SwitchGLU`` (``mx.gather_qmm``,
     or ``mx.gather_mm`` for dense weights; rows sorted by expert from 64
-    choices on), then the weighted sum over the k choices in x's dtype."""
+    choices on), then the weighted sum over the k choices in x's dtype.
+    ``activations="int8"``: each projection's input rows quantized to int8
+    per 32 values first (``fake_quantize_activations_int8``), as
+    :func:`ops.quantized_matmul_int8_reference` does."""
+    _check_activations(activations, bits if _weights(gate)[1] is not None else 0)
     if norm is not None:
         x = rms_norm_reference(x, *norm)
     lead, D = x.shape[:-1], x.shape[-1]
@@ -108,6 +121,8 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, u
 
     def proj(h, p):
         w, s, b = _weights(p)
+        if activations == "int8":
+            h = fake_quantize_activations_int8(h.astype(mx.float32)).astype(h.dtype)
         if s is not None and b is None:
             b = symmetric_biases(s, bits)
         if s is None:
@@ -135,7 +150,8 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, u
 
 def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *,
                 group_size: int = 64, bits: int = 4, norm: tuple | None = None,
-                residual: mx.array | None = None, stream=None) -> mx.array:
+                residual: mx.array | None = None, activations: str = "fp32",
+                stream=None) -> mx.array:
     """The experts of a MoE layer for every token: ``residual + sum_j
     scores[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with
     ``e = inds[t, j]``.
@@ -156,9 +172,15 @@ def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *
     tokens are grouped by expert, each active expert's weights read once for
     all its tokens, SiLU(gate) * up fused, the weighted sum over k in float32
     in choice order. Elsewhere, the reference.
+
+    ``activations="int8"`` (opt-in, quantized weights; K a multiple of 32,
+    which the group sizes ensure) quantizes each projection's input rows to
+    int8 per 32 values, as ``quantized_matmul(activations="int8")`` does
+    (the VNNI kernel on AVX-512 VNNI CPUs, the portable one elsewhere).
     """
     if norm is not None and not (isinstance(norm, tuple) and len(norm) == 2):
         raise ValueError("[mlxfast.moe_experts] norm must be a (weight, eps) pair.")
+    _check_activations(activations, bits if _weights(gate)[1] is not None else 0)
     if dispatch.on_cpu(stream) and hasattr(_ext, "moe_experts"):
         gw, gs, gb = _weights(gate)
         uw, us, ub = _weights(up)
@@ -166,8 +188,9 @@ def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, gate, up, down, *
         kw = dict(norm=norm[0], eps=norm[1]) if norm is not None else {}
         return _ext.moe_experts(x, inds, scores, gw, gs, gb, uw, us, ub, dw, ds, db,
                                 group_size=group_size, bits=bits if gs is not None else 0,
-                                residual=residual, stream=stream, **kw)
+                                residual=residual, int8=activations == "int8", stream=stream,
+                                **kw)
     if norm is not None:
         x = rms_norm(x, *norm, stream=stream)
     return moe_experts_reference(x, inds, scores, gate, up, down, group_size=group_size, bits=bits,
-                                 residual=residual)
+                                 residual=residual, activations=activations)
