@@ -57,6 +57,23 @@ def test_kernel_matches_int8_reference(path, M, bits, group_size, with_biases):
         assert np.isfinite(err) and err <= TOL, (N, K, err)
 
 
+@pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("M", [1, 5, 17])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 128), (4, 64)])
+@pytest.mark.parametrize("with_biases", [True, False], ids=["biases", "symmetric"])
+def test_scale_dtypes(path, sdtype, M, bits, group_size, with_biases):
+    # The GEMV tile reads scales and biases in their own dtype; K = 320 is
+    # not a whole number of 4-bit chunks (the last chunk's groups masked).
+    K = 384 if group_size == 128 else 320
+    wq, s, b = make_weights(21, K, group_size, bits, sdtype, seed=M)
+    x = mx.random.normal((M, K))
+    bb = b if with_biases else None
+    got = _ext.quantized_matmul_direct(x, wq, s, bb, group_size=group_size, bits=bits,
+                                       int8=True, path=path)
+    err = rel_err(got, x, wq, s, bb, group_size, bits)
+    assert np.isfinite(err) and err <= TOL, err
+
+
 @pytest.mark.parametrize("bits", [2, 3, 5, 6])
 def test_other_bit_widths(path, bits):
     wq, s, b = make_weights(21, 256, 64, bits)
