@@ -115,6 +115,12 @@ void attention_avx2(const AttnArgs& a);
 void encode_avx512(const EncodeArgs& a);
 void dequant_avx512(const DequantArgs& a);
 void attention_avx512(const AttnArgs& a);
+// The AVX2 prefill item (16 query rows or more; kv_quant_avx2.cpp) as an
+// ItemFn, false for fewer rows or a scheme it does not take. The avx512
+// path takes its prefill items with it (AVX-512 CPUs run AVX2 code): the
+// generic kernel took ~10x the dequantize-then-dense time there.
+bool prefill_item_avx2(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
+                       float* part);
 #endif
 #if defined(MLXFAST_ARM64)
 void encode_neon(const EncodeArgs& a);

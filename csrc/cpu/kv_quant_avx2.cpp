@@ -338,7 +338,20 @@ bool take_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1
   return fast_item<ItemKernel>(a, t0, t1, kh, b0, b1, part);
 }
 
+template <int D, int KB, int VB, bool VT, int GR>
+struct PrefillKernel {
+  static void run(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+    prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
+  }
+};
+
 }  // namespace
+
+bool prefill_item_avx2(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
+                       float* part) {
+  if ((t1 - t0) * (a.Hq / a.Hkv) < 16) return false;
+  return fast_item<PrefillKernel>(a, t0, t1, kh, b0, b1, part);
+}
 
 void encode_avx2(const EncodeArgs& a) { Kernels<8>::encode(a); }
 void dequant_avx2(const DequantArgs& a) { Kernels<8>::dequant(a); }

@@ -11,6 +11,7 @@
 // domain) right before its FMAs. The generic kernel decoded K and V into
 // float tiles and ran scalar max/exp/sum and a rescale per 16-key block:
 // about 3x the dense f16 kernel's time at 8,000 keys for half its bytes.
+// Prefill items take the AVX2 prefill tile (prefill_item_avx2).
 #include "cpu/kv_quant.h"
 
 #include "common/cpu_features.h"
@@ -291,9 +292,12 @@ struct DecodeKernel {
   }
 };
 
-bool fast_decode(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  static const bool vnni = cpu_has_avx512_vnni();  // VNNI scores the keys
-  if (!vnni || (t1 - t0) * (a.Hq / a.Hkv) >= 16) return false;
+// Prefill items (16 rows or more): the AVX2 prefill tile (prefill_item_avx2);
+// decode items: this file's, where VNNI scores the keys.
+bool take_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+  if ((t1 - t0) * (a.Hq / a.Hkv) >= 16) return prefill_item_avx2(a, t0, t1, kh, b0, b1, part);
+  static const bool vnni = cpu_has_avx512_vnni();
+  if (!vnni) return false;
   return fast_item<DecodeKernel>(a, t0, t1, kh, b0, b1, part);
 }
 
@@ -301,7 +305,7 @@ bool fast_decode(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int 
 
 void encode_avx512(const EncodeArgs& a) { Kernels<16>::encode(a); }
 void dequant_avx512(const DequantArgs& a) { Kernels<16>::dequant(a); }
-void attention_avx512(const AttnArgs& a) { Kernels<16>::attention(a, &fast_decode); }
+void attention_avx512(const AttnArgs& a) { Kernels<16>::attention(a, &take_item); }
 
 }  // namespace kvq
 }  // namespace mlxfast
