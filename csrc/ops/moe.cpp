@@ -16,6 +16,7 @@
 #include "cpu/silu_mul.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "ops/quantized_matmul.h"
 #include "ops/rms_norm.h"
 
 namespace mlxfast {
@@ -134,25 +135,6 @@ GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts) {
     default: break;
   }
   return {qmm::gemv_prepare_portable, qmm::gemv_block_portable};
-}
-
-void run_qmm(const qmm::Args& a, CpuPath path) {  // the whole matmul, with its fan-out
-  if (a.int8_acts) {
-#if defined(MLXFAST_X86)
-    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) return qmm::run_int8_avx512vnni(a);
-#endif
-    return qmm::run_int8_portable(a);
-  }
-  switch (path) {
-#if defined(MLXFAST_X86)
-    case CpuPath::Avx512: qmm::run_avx512(a); break;
-    case CpuPath::Avx2: qmm::run_avx2(a); break;
-#endif
-#if defined(MLXFAST_ARM64)
-    case CpuPath::Neon: qmm::run_neon(a); break;
-#endif
-    default: qmm::run_portable(a); break;
-  }
 }
 
 void silu_mul_rows(const act::Args& a, int64_t r0, int64_t r1, CpuPath path) {

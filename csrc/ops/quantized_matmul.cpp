@@ -31,25 +31,6 @@ qmm::DType to_qmm(mx::Dtype dt) {
   return qmm::BF16;
 }
 
-void run_path(const qmm::Args& a, CpuPath path) {
-  if (a.int8_acts) {
-#if defined(MLXFAST_X86)
-    // The VNNI kernel needs more than the AVX-512 path's check: ask for it.
-    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) return qmm::run_int8_avx512vnni(a);
-#endif
-    return qmm::run_int8_portable(a);
-  }
-  switch (path) {
-#if defined(MLXFAST_X86)
-    case CpuPath::Avx512: qmm::run_avx512(a); break;
-    case CpuPath::Avx2: qmm::run_avx2(a); break;
-#endif
-#if defined(MLXFAST_ARM64)
-    case CpuPath::Neon: qmm::run_neon(a); break;
-#endif
-    default: qmm::run_portable(a); break;
-  }
-}
 
 // The prologue's result (x's dtype), on the thread that runs the task: the
 // matmul kernel reads it while this thread takes part in its fan-out.
@@ -110,7 +91,7 @@ void run_dispatched(qmm::Args a, const FusedSpec& spec, const mx::array& x,
         }
         a.x = buf;
       }
-      run_path(a, path);
+      run_qmm(a, path);
       tl_prologue.trim(qmm::kKeepScratchFloats);
     }
     if (has_residual) add_residual(xt, rin.data, a.out, a.M * a.N);
@@ -184,6 +165,26 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 }
 
 } // namespace
+
+void run_qmm(const qmm::Args& a, CpuPath path) {
+  if (a.int8_acts) {
+#if defined(MLXFAST_X86)
+    // The VNNI kernel needs more than the AVX-512 path's check: ask for it.
+    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) return qmm::run_int8_avx512vnni(a);
+#endif
+    return qmm::run_int8_portable(a);
+  }
+  switch (path) {
+#if defined(MLXFAST_X86)
+    case CpuPath::Avx512: qmm::run_avx512(a); break;
+    case CpuPath::Avx2: qmm::run_avx2(a); break;
+#endif
+#if defined(MLXFAST_ARM64)
+    case CpuPath::Neon: qmm::run_neon(a); break;
+#endif
+    default: qmm::run_portable(a); break;
+  }
+}
 
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
                            const mx::array& scales, const std::optional<mx::array>& biases_in,
@@ -277,7 +278,7 @@ mx::array quantized_matmul_direct(const mx::array& x_in, const mx::array& w_in,
   a.x_dtype = qmm::F32;
   a.s_dtype = to_qmm(sc.dtype());
   a.int8_acts = int8_acts;
-  if (a.M && a.N && a.K) run_path(a, path);
+  if (a.M && a.N && a.K) run_qmm(a, path);
   return out;
 }
 

@@ -27,6 +27,16 @@ namespace mlxfast {
 
 namespace mx = mlx::core;
 
+namespace qmm {
+struct Args;
+}
+enum class CpuPath;
+
+// The whole matmul a (with its fan-out) on the given CPU path: the int8
+// kernel where a.int8_acts (VNNI on AVX-512 VNNI CPUs, else the portable
+// one), else the path's. The MoE experts' large ones run through it too.
+void run_qmm(const qmm::Args& a, CpuPath path);
+
 // Optional pieces fused into a projection primitive.
 struct Fusion {
   // Prologue, at most one. norm_weight [D] (D = x.shape[-1]): the matmul
