@@ -185,6 +185,7 @@ void par_units(int64_t units, F&& f) {
 
 thread_local Scratch tl_buf;   // the step's fp32 buffers (see run_experts)
 thread_local Scratch tl_norm;  // normalised x rows (x's dtype)
+thread_local Scratch tl_sum;   // a token's weighted sum over its choices
 
 void store_out(mx::Dtype dt, void* out, int64_t i, float v) {
   qmm::store_f32(out, to_qmm(dt), i, v);
@@ -325,15 +326,20 @@ void run_experts(Plan P) {
   const mx::Dtype odt = P.x_dtype;
   const qmm::DType oq = to_qmm(odt);
   parallel_for(T, std::max<int64_t>(1, kInlineFloats / std::max<int64_t>(k * D, 1)), [&](int64_t t0, int64_t t1) {
+    float* sum = tl_sum.get(static_cast<size_t>(D));
     for (int64_t t = t0; t < t1; ++t) {
+      // Choice by choice over the row (each sum still adds its terms in j
+      // order): the scores' loads leave the inner loop, which vectorizes.
+      std::fill(sum, sum + D, 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = pos[t * k + j];
+        if (p < 0) continue;
+        const float s = qmm::load_f32(P.scores.data, sq, t * k + j);
+        const float* y = Y + p * D;
+        for (int64_t d = 0; d < D; ++d) sum[d] += s * y[d];
+      }
       for (int64_t d = 0; d < D; ++d) {
-        float acc = 0.f;
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t p = pos[t * k + j];
-          if (p < 0) continue;
-          acc += qmm::load_f32(P.scores.data, sq, t * k + j) * Y[p * D + d];
-        }
-        store_out(odt, P.out, t * D + d, acc);
+        store_out(odt, P.out, t * D + d, sum[d]);
         if (P.has_residual) {
           // As MLX's add: the rounded product plus the residual, rounded once.
           const float y = qmm::load_f32(P.out, oq, t * D + d);
