@@ -142,15 +142,15 @@ inline __m512i block_groups() {
                            10 / F, 11 / F, 12 / F, 13 / F, 14 / F, 15 / F);
 }
 
-// Up to 4 consecutive parameters (scales) of dtype SD from p[i] as fp32
-// lanes 0..3 (n valid; the rest 0): a chunk spans at most 4 groups.
+// Up to 8 consecutive parameters (scales) of dtype SD from p[i] as fp32
+// lanes 0..7 (n valid; the rest 0): two chunks span at most 8 groups.
 template <DType SD>
-inline __m128 load_params4(const void* p, int64_t i, int64_t n) {
-  const __mmask8 m = n >= 4 ? 0xf : static_cast<__mmask8>((1u << n) - 1u);
-  if constexpr (SD == F32) return _mm_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
+inline __m256 load_params8(const void* p, int64_t i, int64_t n) {
+  const __mmask8 m = n >= 8 ? 0xff : static_cast<__mmask8>((1u << n) - 1u);
+  if constexpr (SD == F32) return _mm256_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
   const __m128i h = _mm_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i);
-  if constexpr (SD == F16) return _mm_cvtph_ps(h);
-  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+  if constexpr (SD == F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // y[m0 + m][n + r] for r < R, m < MM into yb[m * kGemvRowBlock + r]. The
@@ -177,10 +177,12 @@ __attribute__((always_inline)) inline void tile(const Int8Ctx& c, int64_t m0, in
   const int8_t* xq = c.xq + m0 * c.Kp;
   const float* dl = c.dl + m0 * c.nl;
   const int64_t p0 = n * G;  // the first row's first parameter
-  for (int64_t ch = 0; ch < nch; ++ch) {
+  // Chunk ch + 1's lanes read its groups from the pair's first group on.
+  const __m512i idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(GS <= VPC ? VPC / GS : 0));
+  // One chunk, its rows' scales from pv (the pair's parameters).
+  auto chunk = [&](int64_t ch, __m512i ix, const __m512 (&pv)[R]) __attribute__((always_inline)) {
     c.next->step();
     const __mmask64 wm = ch + 1 < nch ? ~0ull : tail;
-    const int64_t g0 = ch * VPC / GS;
     __m512i lo[R], hi[R];
     __m512 sv[R];
     for (int r = 0; r < R; ++r) {
@@ -193,8 +195,7 @@ __attribute__((always_inline)) inline void tile(const Int8Ctx& c, int64_t m0, in
       } else {
         lo[r] = w;
       }
-      sv[r] = _mm512_permutexvar_ps(
-          idx, _mm512_castps128_ps512(load_params4<SD>(a.scales, p0 + r * G + g0, G - g0)));
+      sv[r] = _mm512_permutexvar_ps(ix, pv[r]);
     }
     for (int m = 0; m < MM; ++m) {
       const int8_t* xm = xq + m * c.Kp + ch * VPC;
@@ -207,6 +208,16 @@ __attribute__((always_inline)) inline void tile(const Int8Ctx& c, int64_t m0, in
         acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dv), sv[r], acc[r][m]);
       }
     }
+  };
+  // Chunks in pairs: one load and conversion of the scales for both.
+  for (int64_t ch = 0; ch < nch; ch += 2) {
+    const int64_t g0 = ch * VPC / GS;
+    __m512 pv[R];
+    for (int r = 0; r < R; ++r) {
+      pv[r] = _mm512_castps256_ps512(load_params8<SD>(a.scales, p0 + r * G + g0, G - g0));
+    }
+    chunk(ch, idx, pv);
+    if (ch + 1 < nch) chunk(ch + 1, idx1, pv);
   }
   // + bias * (d * sum(xq)) per block: block b is in group b * 32 / gs.
   const int64_t B = K / kActBlock;
