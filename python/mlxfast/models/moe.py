@@ -133,13 +133,6 @@ class SwitchGLU(nn.Module):
         _, group_size, bits = kinds.pop()
         return group_size, bits
 
-    def activations(self) -> str:
-        """The experts' matmul activations ("fp32" or "int8"), shared by the three."""
-        kinds = {getattr(p, "activations", "fp32") for p in (self.gate_proj, self.up_proj, self.down_proj)}
-        if len(kinds) != 1:
-            raise ValueError("the experts' gate, up and down projections must share their activations")
-        return kinds.pop()
-
 
 class SparseMoE(nn.Module):
     """Router + top-k + experts: ``residual + sum_j w_j expert_j(norm(x))``,
@@ -169,7 +162,9 @@ class SparseMoE(nn.Module):
         sw = self["switch_mlp"]
         return ops.moe_experts(x, inds, scores, sw["gate_proj"].params(), sw["up_proj"].params(),
                                sw["down_proj"].params(), group_size=self.group_size, bits=self.bits,
-                               norm=norm_args, residual=residual, activations=sw.activations())
+                               norm=norm_args, residual=residual,
+                               # the three share their bits (quantization()), so their activations
+                               activations=getattr(sw["gate_proj"], "activations", "fp32"))
 
 
 class Block(nn.Module):
