@@ -153,6 +153,46 @@ def test_zero_rows_and_blocks(path):
     assert rel_err(got, x, wq, s, b, 32, 8) <= TOL
 
 
+_GFNI_RUN = r"""
+import sys
+import mlx.core as mx
+import numpy as np
+from mlxfast import ops
+out = []
+for gs, sd in ((32, mx.float16), (64, mx.bfloat16), (128, mx.float32)):
+    K = 640 if gs == 128 else 576  # 5 whole 128-value chunks, 4.5 (a tail)
+    mx.random.seed(gs)
+    wq, s, b = mx.quantize(mx.random.normal((37, K)) * 0.05, group_size=gs, bits=4)
+    for M in (1, 3, 7):
+        x = mx.random.normal((M, K))
+        for bb in (b.astype(sd), None):
+            y = ops.quantized_matmul(x, wq, s.astype(sd), bb, group_size=gs, bits=4,
+                                     activations="int8")
+            out.append(np.array(y).ravel())
+np.save(sys.argv[1], np.concatenate(out))
+"""
+
+
+@pytest.mark.skipif(ops.int8_activations_unsupported() != "",
+                    reason="no VNNI int8 kernel on this CPU")
+def test_gfni_and_shift_and_mask_agree_bit_for_bit(tmp_path):
+    # The 4-bit GEMV takes each byte's high nibble with one GFNI instruction
+    # where the CPU has it, with a shift and a mask otherwise (MLXFAST_GFNI=0,
+    # as on CPUs without GFNI): the same integers, so the same bits.
+    import os
+    import subprocess
+    import sys
+
+    got = {}
+    for flag in ("0", "1"):
+        env = dict(os.environ, MLXFAST_GFNI=flag)
+        f = tmp_path / f"gfni{flag}.npy"
+        subprocess.run([sys.executable, "-c", _GFNI_RUN, str(f)], env=env, check=True)
+        got[flag] = np.load(f)
+    assert got["0"].size == 3 * (1 + 3 + 7) * 2 * 37  # group sizes x rows x biases x outputs
+    assert np.isfinite(got["0"]).all() and np.array_equal(got["0"], got["1"])
+
+
 def test_validation():
     wq, s, b = make_weights(8, 64, 32, 4)
     x = mx.random.normal((2, 64))

@@ -101,6 +101,17 @@ bool cpu_has_avx_vnni() {
 #endif
 }
 
+bool cpu_has_gfni() {
+#if defined(MLXFAST_X86)
+  const char* env = std::getenv("MLXFAST_GFNI");
+  if (env != nullptr && std::string(env) == "0") return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("gfni");
+#else
+  return false;
+#endif
+}
+
 std::string int8_acts_unsupported() {
 #if defined(MLXFAST_X86)
   if (cpu_has_avx512_vnni()) {

@@ -17,6 +17,10 @@ const char* cpu_path_name(CpuPath path);
 // AVX-512 F/BW/VL/DQ + AVX512_VNNI (vpdpbusd on zmm), AVX-VNNI (on ymm).
 bool cpu_has_avx512_vnni();
 bool cpu_has_avx_vnni();
+// GFNI (gf2p8affineqb), which the int8 GEMV uses to take a byte's high
+// nibble in one instruction; false where MLXFAST_GFNI=0 (tests compare the
+// two ways).
+bool cpu_has_gfni();
 // "" where this CPU runs the int8-activation matmul natively (and the
 // avx512 path is in use); otherwise a sentence naming what it lacks (the
 // start-up error of --matmul-activations int8).
