@@ -225,11 +225,11 @@ def set_matmul_activations(model: nn.Module, mode: str) -> int:
         missing = ops.int8_activations_unsupported()
         if missing:
             raise ValueError(f"--matmul-activations int8: {missing}")
-    from .moe import QuantizedSwitchLinear  # moe imports this module
-
     n = 0
     for path, layer in model.named_modules():
-        if isinstance(layer, (QuantizedLinear, QuantizedEmbedding, QuantizedSwitchLinear)):
+        # The quantized projections: QuantizedLinear, QuantizedEmbedding and
+        # moe.QuantizedSwitchLinear (which imports this module) carry both.
+        if hasattr(layer, "activations") and hasattr(layer, "bits"):
             head = isinstance(layer, QuantizedEmbedding) or path.split(".")[-1] == "lm_head"
             on = mode == "int8" and layer.bits in INT8_ACTIVATION_BITS and not head
             layer.activations = "int8" if on else "fp32"
