@@ -16,6 +16,11 @@ const char* cpu_path_name(CpuPath path);
 // The int8-activation matmul's instruction sets (independent of cpu_path()):
 // AVX-512 F/BW/VL/DQ + AVX512_VNNI (vpdpbusd on zmm), AVX-VNNI (on ymm).
 bool cpu_has_avx512_vnni();
+// Whether the int8-activation matmul runs its VNNI kernel on this path (the
+// avx512 path on an AVX-512 VNNI CPU); the portable int8 kernel otherwise.
+inline bool int8_vnni_on(CpuPath path) {
+  return path == CpuPath::Avx512 && cpu_has_avx512_vnni();
+}
 bool cpu_has_avx_vnni();
 // GFNI (gf2p8affineqb), which the int8 GEMV uses to take a byte's high
 // nibble in one instruction; false where MLXFAST_GFNI=0 (tests compare the

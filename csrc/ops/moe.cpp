@@ -112,7 +112,7 @@ struct GemvFns {
 GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts) {
   if (int8_acts) {
 #if defined(MLXFAST_X86)
-    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) {
+    if (int8_vnni_on(path)) {
       return {qmm::gemv_prepare_int8_avx512vnni, qmm::gemv_block_int8_avx512vnni};
     }
 #endif

@@ -170,7 +170,7 @@ void run_qmm(const qmm::Args& a, CpuPath path) {
   if (a.int8_acts) {
 #if defined(MLXFAST_X86)
     // The VNNI kernel needs more than the AVX-512 path's check: ask for it.
-    if (path == CpuPath::Avx512 && cpu_has_avx512_vnni()) return qmm::run_int8_avx512vnni(a);
+    if (int8_vnni_on(path)) return qmm::run_int8_avx512vnni(a);
 #endif
     return qmm::run_int8_portable(a);
   }
