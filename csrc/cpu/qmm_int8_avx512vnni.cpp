@@ -156,9 +156,9 @@ inline __m256 load_params8(const void* p, int64_t i, int64_t n) {
 
 // (w >> 4) & 15 per byte. GF (a CPU with GFNI): one gf2p8affineqb, whose
 // bit matrix moves bits 4-7 of each byte to 0-3, for the shift and the mask:
-// the one-row 4-bit GEMV went from 18-19 to 21 GB/s on one Zen 4 core (L3),
-// 34 to 36-37 on two (DRAM). Inline asm, so that the file is not built with
-// -mgfni and the compiler emits GFNI nowhere else.
+// the one-row 4-bit GEMV went from 18-19 to 21 GB/s on one Zen 4 core (L3);
+// on two it streams from DRAM at ~35 GB/s either way. Inline asm, so that
+// the file is not built with -mgfni and the compiler emits GFNI nowhere else.
 template <bool GF>
 inline __m512i high_nibbles(__m512i w, __m512i nib, __m512i matrix) {
   if constexpr (GF) {
