@@ -503,6 +503,12 @@ inline void pv_accumulate(float* acc, const float* p, const float* v, int nk) {
   for (int d = 0; d < DC; ++d) acc[d] = a[d];
 }
 
+// Keys of one work item, at most: a chunk's kv heads run one after another
+// on one thread (Kernels::attention), and the later heads find the slots'
+// rows the first one read still in L2 only if the chunk is small (512 slots
+// of 3 heads of 8-bit codes: ~200 KB).
+constexpr int64_t kMaxChunkKeys = 512;
+
 template <int W>
 struct Kernels {
   // ---- encode / dequant -----------------------------------------------------
@@ -813,6 +819,8 @@ struct Kernels {
     const int threads = num_threads_hint();
     int64_t chunk = (total_blocks * a.Hkv + 8 * threads - 1) / (8 * threads);  // in blocks
     const int64_t min_chunk = (256 + bs - 1) / bs;
+    const int64_t max_chunk = (kMaxChunkKeys + bs - 1) / bs;
+    if (chunk > max_chunk) chunk = max_chunk;
     if (chunk < min_chunk) chunk = min_chunk;
     int64_t n_items = 0;
     for (int64_t i = 0; i < nt; ++i) {

@@ -83,43 +83,64 @@ struct DenseValues {
   }
 };
 
-// Tiles of fewer than 16 query rows (decode: one token x the kv head's
-// query heads): scores for 16 keys at a time per row (16 dot products
-// reduced together), then softmax and P.V with the rows' outputs in
-// registers. Online softmax runs per span of kDecodeSpan keys, not per
-// block: at the engine's 16-token blocks a per-block pass spent as much on
-// the max/exp/sum reductions and the accumulator rescale as on the keys.
+// Tiles of fewer than 16 query rows per kv head (decode: one token x the
+// kv head's query heads), a group of kv heads per work item: scores for 16
+// keys at a time per row (16 dot products reduced together), then softmax
+// and P.V with the rows' outputs in registers. A slot's K and V rows of all
+// heads are adjacent in the pool ([slot][Hkv][D]); an item per head read
+// each head's slice of every slot on its own, a strided pattern that DRAM
+// served at a third of a linear read (a standalone read of 3 heads x 64
+// fp16 on one Zen 4 core: 8-9 GB/s per head against 23-25 GB/s for whole
+// slots, the same arithmetic). So an item converts a chunk's keys of all
+// its heads slot by slot, and its P.V passes per head read values the
+// block prefetch brought in for all heads. Online softmax runs per span of
+// kDecodeSpan keys, not per block: at the engine's 16-token blocks a
+// per-block pass spent as much on the max/exp/sum reductions and the
+// accumulator rescale as on the keys.
 constexpr int kDecodeSpan = 256;
+constexpr int kItemKbFloats = 4096;  // converted keys of an item's heads per 16-key chunk (16 KB, L1)
+constexpr int kItemRows = 48;        // query rows of one decode item, at most
 
-// Blocks [b_begin, b_end) of the context (b_end < 0: to its end; blocks
-// before the tile's earliest window start are never read). With `part`, the
-// unnormalised state is stored there, [R][D] acc then m [R] and l [R], for
-// split_decode to merge; otherwise the rows are written out.
+// kv heads of one decode item for tiles of nq tokens.
+inline int decode_heads_per_item(const Args& a, int nq) {
+  const int rows = nq * (a.Hq / a.Hkv);
+  int h = kItemKbFloats / (16 * a.D);
+  if (h * rows > kItemRows) h = kItemRows / rows;
+  return h < 1 ? 1 : (h > a.Hkv ? a.Hkv : h);
+}
+
+// kv heads [kh0, kh1), blocks [b_begin, b_end) of the context (b_end < 0:
+// to its end; blocks before the tile's earliest window start are never
+// read). Rows are ordered by head, then token, then query head. With
+// `part`, the unnormalised state is stored there, [R][D] acc then m [R] and
+// l [R], for split_decode to merge; otherwise the rows are written out.
 template <int D>
-void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin = 0,
+void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_t b_begin = 0,
                  int64_t b_end = -1, float* part = nullptr) {
   constexpr int NV = D / 16;
-  const int G = a.Hq / a.Hkv, bs = a.bs;
-  const int nq = static_cast<int>(t1 - t0), R = nq * G;  // R < 16
+  const int G = a.Hq / a.Hkv, bs = a.bs, nh = kh1 - kh0;
+  const int nq = static_cast<int>(t1 - t0), Rh = nq * G;  // rows per head, < 16
+  const int R = nh * Rh;
   const int span_blocks = bs >= kDecodeSpan ? 1 : kDecodeSpan / bs;
   const int64_t spanp = (static_cast<int64_t>(span_blocks) * bs + 31) / 16 * 16;  // + 16 slack
+  const int Rp = (R + 15) / 16 * 16;
   const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = a.kv_dtype == F32 ? 4 : 2;
-  // scratch: q [R][D], St [R][spanp], acc [R][D], m, l, alpha [16], kb [16][D], segs
-  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * spanp + R * D + 48 + 16 * D) +
+  // scratch: q [R][D], St [R][spanp], acc [R][D], m, l, alpha [Rp], kb [nh][16][D], segs
+  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * spanp + R * D + 3 * Rp + nh * 16 * D) +
                          sizeof(SpanSeg) * span_blocks / sizeof(float) + 16);
   float* St = qf + R * D;
   float* acc = St + static_cast<size_t>(R) * spanp;
   float* m = acc + static_cast<size_t>(R) * D;
-  float* l = m + 16;
-  float* alpha = l + 16;
-  float* kb = alpha + 16;
-  SpanSeg* segs = reinterpret_cast<SpanSeg*>(kb + 16 * D);
+  float* l = m + Rp;
+  float* alpha = l + Rp;
+  float* kb = alpha + Rp;
+  SpanSeg* segs = reinterpret_cast<SpanSeg*>(kb + nh * 16 * D);
   int64_t qpos[16], qlo[16];
   const int32_t s = a.seq_idx[t0];
   const bool valid = s >= 0 && s < a.S;
   const auto [n_keys, lo_min] = tile_keys(a, t0, nq, qpos, qlo);
   for (int r = 0; r < R; ++r) {
-    const int j = r / G, h = kh * G + r % G;
+    const int kh = kh0 + r / Rh, j = (r % Rh) / G, h = kh * G + r % G;
     const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
     for (int v = 0; v < NV; ++v) {
       _mm512_store_ps(qf + r * D + v * 16, _mm512_mul_ps(load16(qp + v * 16 * qes, a.q_dtype),
@@ -134,8 +155,9 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
     const int64_t nblk = (n_keys + bs - 1) / bs;
     const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;
     const int64_t vrow = krow;
-    const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
-    const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * D * kes;
+    const int item_bytes = nh * D * static_cast<int>(kes);  // a slot's rows of the item's heads
+    const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh0) * D * kes;
+    const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh0) * D * kes;
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int64_t be = b_end < 0 || b_end > nblk ? nblk : b_end;
@@ -149,8 +171,8 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
         if (b + 1 < be) {
           const int64_t nxt = table[b + 1];
           if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
-            prefetch_rows(kbase, nxt * bs * krow, bs, krow, D * static_cast<int>(kes));
-            prefetch_rows(vbase, nxt * bs * vrow, bs, vrow, D * static_cast<int>(kes));
+            prefetch_rows(kbase, nxt * bs * krow, bs, krow, item_bytes);
+            prefetch_rows(vbase, nxt * bs * vrow, bs, vrow, item_bytes);
           }
         }
         const int64_t key0 = b * bs;
@@ -158,32 +180,36 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
         segs[nseg++] = SpanSeg{blk * bs, nk, n};
         for (int i0 = 0; i0 < nk; i0 += 16) {
           const int nv = nk - i0 < 16 ? nk - i0 : 16;
+          // Slot by slot, every head of the item: the rows are read in order.
           for (int k = 0; k < 16; ++k) {
-            for (int v = 0; v < NV; ++v) {
-              _mm512_store_ps(kb + k * D + v * 16,
-                              k < nv ? load16(kbase + (blk * bs + i0 + k) * krow + v * 16 * kes,
-                                              a.kv_dtype)
-                                     : _mm512_setzero_ps());
+            const char* kr = kbase + (blk * bs + i0 + k) * krow;
+            for (int hh = 0; hh < nh; ++hh) {
+              for (int v = 0; v < NV; ++v) {
+                _mm512_store_ps(kb + (hh * 16 + k) * D + v * 16,
+                                k < nv ? load16(kr + (hh * D + v * 16) * kes, a.kv_dtype)
+                                       : _mm512_setzero_ps());
+              }
             }
           }
           const __m512i kidx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key0 + i0)));
           const __mmask16 in_block = nv >= 16 ? static_cast<__mmask16>(0xffff)
                                               : static_cast<__mmask16>((1u << nv) - 1u);
           for (int r = 0; r < R; ++r) {
+            const float* kh_b = kb + (r / Rh) * 16 * D;
+            const int j = (r % Rh) / G;
             __m512 part[16];
             for (int k = 0; k < 16; ++k) {
-              __m512 p = _mm512_mul_ps(_mm512_load_ps(qf + r * D), _mm512_load_ps(kb + k * D));
+              __m512 p = _mm512_mul_ps(_mm512_load_ps(qf + r * D), _mm512_load_ps(kh_b + k * D));
               for (int v = 1; v < NV; ++v) {
                 p = _mm512_fmadd_ps(_mm512_load_ps(qf + r * D + v * 16),
-                                    _mm512_load_ps(kb + k * D + v * 16), p);
+                                    _mm512_load_ps(kh_b + k * D + v * 16), p);
               }
               part[k] = p;
             }
             __mmask16 ok = _mm512_mask_cmple_epi32_mask(
-                in_block, kidx, _mm512_set1_epi32(static_cast<int>(qpos[r / G])));
+                in_block, kidx, _mm512_set1_epi32(static_cast<int>(qpos[j])));
             if (a.window > 0)
-              ok = _mm512_mask_cmpge_epi32_mask(ok, kidx,
-                                                _mm512_set1_epi32(static_cast<int>(qlo[r / G])));
+              ok = _mm512_mask_cmpge_epi32_mask(ok, kidx, _mm512_set1_epi32(static_cast<int>(qlo[j])));
             // Lanes past the block's keys are overwritten by the next block's.
             _mm512_storeu_ps(St + r * spanp + n + i0, _mm512_mask_mov_ps(ninf, ok, reduce16x16(part)));
           }
@@ -192,12 +218,14 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh, int64_t b_begin 
       }
       if (n == 0) continue;
       span_softmax(St, spanp, R, n, m, l, alpha);
-      pv_rows<D>(DenseValues{vbase, vrow, a.kv_dtype, static_cast<int>(kes)}, segs, nseg, St, 1, spanp,
-                 R, alpha, acc);
+      for (int hh = 0; hh < nh; ++hh) {
+        pv_rows<D>(DenseValues{vbase + hh * D * kes, vrow, a.kv_dtype, static_cast<int>(kes)}, segs,
+                   nseg, St + hh * Rh * spanp, 1, spanp, Rh, alpha + hh * Rh, acc + hh * Rh * D);
+      }
     }
   }
   if (part == nullptr) {
-    write_rows(a, t0, kh, R, acc, l);
+    for (int hh = 0; hh < nh; ++hh) write_rows(a, t0, kh0 + hh, Rh, acc + hh * Rh * D, l + hh * Rh);
     return;
   }
   std::memcpy(part, acc, sizeof(float) * R * D);
@@ -314,34 +342,68 @@ void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
   write_rows(a, t0, kh, R, acc, l);
 }
 
-// One kv head per decode item, for split_decode (cpu/split_decode.h).
+// Decode items hold a group of kv heads, for split_decode (cpu/split_decode.h).
 struct Tiles {
-  static int heads_per_item(const Args&) { return 1; }
+  static int heads_per_item(const Args& a) { return decode_heads_per_item(a, 1); }
   static int64_t span_blocks(int bs) { return bs >= kDecodeSpan ? 1 : kDecodeSpan / bs; }
-  // Head dim 256 costs 4x per key what 64 does: splitting pays from 256 keys
-  // (a 512-key sliding window, 1 kv head: 1.7x on 2 threads, measured).
-  static int64_t split_min_keys(int D) { return D >= 256 ? 256 : 1024; }
+  // An item may hold every head: split from two spans on (head dim 256
+  // costs 4x per key what 64 does: from 256 keys, a 512-key sliding window,
+  // 1 kv head: 1.7x on 2 threads, measured). Shorter rows: run_tiles.
+  static int64_t split_min_keys(int D) { return D >= 256 ? 256 : 2 * kDecodeSpan; }
   template <int D>
-  static void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int /*kh1*/,
+  static void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1,
                           int64_t b_begin, int64_t b_end, float* part) {
-    pa::decode_tile<D>(a, t0, t1, kh0, b_begin, b_end, part);
+    pa::decode_tile<D>(a, t0, t1, kh0, kh1, b_begin, b_end, part);
   }
 };
 
+// Work items: a tile of tokens against kv heads [kh0, kh1) (one head for a
+// prefill tile, a head group for a decode tile).
+struct Item {
+  int64_t t0, t1;
+  int kh0, kh1;
+};
+
+struct RunCtx {
+  const Args* a;
+  const Item* items;
+};
+
 template <int D>
-void item(const Args& a, int64_t t0, int64_t t1, int kh) {
-  const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
-  prefill ? tile<D>(a, t0, t1, kh) : decode_tile<D>(a, t0, t1, kh);
+void run_items(void* vctx, int64_t i0, int64_t i1) {
+  const RunCtx& c = *static_cast<const RunCtx*>(vctx);
+  const Args& a = *c.a;
+  for (int64_t i = i0; i < i1; ++i) {
+    const Item& it = c.items[i];
+    if ((it.t1 - it.t0) * (a.Hq / a.Hkv) >= 16) {
+      tile<D>(a, it.t0, it.t1, it.kh0);
+    } else {
+      decode_tile<D>(a, it.t0, it.t1, it.kh0, it.kh1);
+    }
+  }
 }
 
-bool fast_item(const Args& a, int64_t t0, int64_t t1, int kh) {
-  if (a.D != a.Dv) return false;
-  switch (a.D) {
-    case 64: item<64>(a, t0, t1, kh); return true;
-    case 128: item<128>(a, t0, t1, kh); return true;
-    case 256: item<256>(a, t0, t1, kh); return true;
-    default: return false;
+void run_tiles(const Args& a) {
+  int64_t* tiles = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.T + 1)));
+  Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * (a.T + 1) * a.Hkv));
+  const int64_t nt = make_tiles(a, tiles);
+  const int threads = num_threads();
+  int64_t n = 0;
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t ti = interleaved_tile(i, nt), t0 = tiles[ti], t1 = tiles[ti + 1];
+    const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
+    int step = prefill ? 1 : decode_heads_per_item(a, static_cast<int>(t1 - t0));
+    // Fewer decode items than threads (one short row): smaller head groups.
+    while (step > 1 && nt * ((a.Hkv + step - 1) / step) < threads) --step;
+    for (int kh = 0; kh < a.Hkv; kh += step) {
+      items[n++] = Item{t0, t1, kh, kh + step < a.Hkv ? kh + step : a.Hkv};
+    }
   }
+  RunCtx c{&a, items};
+  const RangeFn fn = a.D == 64 ? &run_items<64> : a.D == 128 ? &run_items<128> : &run_items<256>;
+  parallel_for(n, 1, fn, &c);
+  std::free(items);
+  std::free(tiles);
 }
 
 }  // namespace
@@ -352,7 +414,11 @@ void run_avx512(const Args& a) {
                       (a.D == 256 && split_decode<256, Tiles>(a)))) {
     return;
   }
-  Kernel<16>::run(a, &fast_item);
+  if (a.D != a.Dv || (a.D != 64 && a.D != 128 && a.D != 256)) {
+    Kernel<16>::run(a);
+    return;
+  }
+  run_tiles(a);
 }
 
 }  // namespace pa
