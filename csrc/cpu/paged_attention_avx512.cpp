@@ -11,6 +11,9 @@
 //   values: acc[row][:] += P[key][row] * V[key][:], a few rows' accumulators
 //     (a chunk of their columns at head dim 256) in registers per pass over
 //     the block's keys.
+// A decode tile's work item holds a group of kv heads and reads the keys
+// slot by slot (see decode_tile); a single decode row over a long context
+// is split across the pool (cpu/split_decode.h).
 // Same online softmax per block as the generic kernel, float32 throughout.
 // Sliding window: keys before a row's window start are masked like future
 // keys, and a tile starts at the block holding its earliest window start
