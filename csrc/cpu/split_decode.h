@@ -26,7 +26,7 @@ thread_local Scratch tl_merge;
 
 struct SplitCtx {
   const Args* a;
-  int64_t first_block, blocks_per_split;
+  int64_t first_block, spans, span_blocks;  // split sp: spans [sp * spans / splits, (sp + 1) * ...)
   int splits, heads_per_item, stride;
   float* parts;  // [groups][splits][stride]: R * D acc, then m [R] and l [R]
 };
@@ -47,9 +47,12 @@ void split_range(void* vctx, int64_t i0, int64_t i1) {
     const int grp = static_cast<int>(i / c.splits), sp = static_cast<int>(i % c.splits);
     const int kh0 = grp * c.heads_per_item;
     const int kh1 = kh0 + c.heads_per_item < Hkv ? kh0 + c.heads_per_item : Hkv;
-    Tiles::template decode_tile<D>(*c.a, 0, 1, kh0, kh1, c.first_block + sp * c.blocks_per_split,
-                                   c.first_block + (sp + 1) * c.blocks_per_split,
-                                   c.parts + i * c.stride);
+    // Spans spread evenly: ceil(spans / splits) per split left the last
+    // splits empty (9 spans in 8 splits: 2, 2, 2, 2, 1, 0, 0, 0), and the
+    // pool hands out contiguous item ranges, so one thread did 8 of the 9.
+    const int64_t s0 = sp * c.spans / c.splits, s1 = (sp + 1) * c.spans / c.splits;
+    Tiles::template decode_tile<D>(*c.a, 0, 1, kh0, kh1, c.first_block + s0 * c.span_blocks,
+                                   c.first_block + s1 * c.span_blocks, c.parts + i * c.stride);
   }
 }
 
@@ -76,7 +79,7 @@ bool split_decode(const Args& a) {
   if (splits > spans) splits = static_cast<int>(spans);
   if (splits < 2 && groups < 2) return false;
   const int Rmax = hpi * G, stride = Rmax * D + 2 * Rmax;
-  SplitCtx c{&a, b_first, (spans + splits - 1) / splits * span_blocks, splits, hpi, stride,
+  SplitCtx c{&a, b_first, spans, span_blocks, splits, hpi, stride,
              tl_part.get(static_cast<size_t>(groups) * splits * stride)};
   parallel_for(static_cast<int64_t>(groups) * splits, 1, &split_range<D, Tiles>, &c);
   float* acc = tl_merge.get(static_cast<size_t>(Rmax) * D + Rmax);
