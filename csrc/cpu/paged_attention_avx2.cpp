@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include "common/scratch.h"
+#include "cpu/attention_items.h"
 #include "cpu/decode_span_avx2.h"
 #include "cpu/prefill_tile_avx2.h"
 #include "cpu/paged_attention.h"
@@ -193,25 +194,13 @@ struct Tiles {
   }
 };
 
-// Work items: a tile of tokens against kv heads [kh0, kh1) (one head for a
-// prefill tile, a head group for a decode tile).
-struct Item {
-  int64_t t0, t1;
-  int kh0, kh1;
-};
-
-struct RunCtx {
-  const Args* a;
-  const Item* items;
-};
-
 template <int D, int KV>
-void run_items(void* vctx, int64_t i0, int64_t i1) {
-  const RunCtx& c = *static_cast<const RunCtx*>(vctx);
+void run_range(void* vctx, int64_t i0, int64_t i1) {
+  const ItemCtx& c = *static_cast<const ItemCtx*>(vctx);
   const Args& a = *c.a;
   for (int64_t i = i0; i < i1; ++i) {
     const Item& it = c.items[i];
-    if ((it.t1 - it.t0) * (a.Hq / a.Hkv) >= 16) {
+    if (prefill_tile(a, it.t0, it.t1)) {
       tile<D, KV>(a, it.t0, it.t1, it.kh0);
     } else {
       decode_tile<D, KV>(a, it.t0, it.t1, it.kh0, it.kh1);
@@ -220,29 +209,8 @@ void run_items(void* vctx, int64_t i0, int64_t i1) {
 }
 
 template <int D>
-RangeFn items_fn(DType kv) {
-  return kv == F32 ? &run_items<D, F32> : kv == F16 ? &run_items<D, F16> : &run_items<D, BF16>;
-}
-
-void run_tiles(const Args& a) {
-  int64_t* tiles = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.T + 1)));
-  Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * (a.T + 1) * a.Hkv));
-  const int64_t nt = make_tiles(a, tiles);
-  int64_t n = 0;
-  for (int64_t i = 0; i < nt; ++i) {
-    const int64_t ti = interleaved_tile(i, nt), t0 = tiles[ti], t1 = tiles[ti + 1];
-    const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
-    const int step = prefill ? 1 : decode_heads_per_item(a, static_cast<int>(t1 - t0));
-    for (int kh = 0; kh < a.Hkv; kh += step) {
-      items[n++] = Item{t0, t1, kh, kh + step < a.Hkv ? kh + step : a.Hkv};
-    }
-  }
-  RunCtx c{&a, items};
-  const RangeFn fn = a.D == 64 ? items_fn<64>(a.kv_dtype)
-                     : a.D == 128 ? items_fn<128>(a.kv_dtype) : items_fn<256>(a.kv_dtype);
-  parallel_for(n, 1, fn, &c);
-  std::free(items);
-  std::free(tiles);
+RangeFn range_fn(DType kv) {
+  return kv == F32 ? &run_range<D, F32> : kv == F16 ? &run_range<D, F16> : &run_range<D, BF16>;
 }
 
 }  // namespace
@@ -256,7 +224,9 @@ void run_avx2(const Args& a) {
       (a.D == 256 && split_decode<256, Tiles>(a))) {
     return;
   }
-  run_tiles(a);
+  const RangeFn fn = a.D == 64 ? range_fn<64>(a.kv_dtype)
+                     : a.D == 128 ? range_fn<128>(a.kv_dtype) : range_fn<256>(a.kv_dtype);
+  run_items(a, &decode_heads_per_item, fn);
 }
 
 }  // namespace pa

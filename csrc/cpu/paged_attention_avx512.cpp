@@ -22,6 +22,7 @@
 
 #include "common/scratch.h"
 #include "cpu/paged_attention.h"
+#include "cpu/attention_items.h"
 #include "cpu/decode_span_avx512.h"
 #include "cpu/reduce_avx512.h"
 #include "cpu/split_decode.h"
@@ -351,7 +352,7 @@ struct Tiles {
   static int64_t span_blocks(int bs) { return bs >= kDecodeSpan ? 1 : kDecodeSpan / bs; }
   // An item may hold every head: split from two spans on (head dim 256
   // costs 4x per key what 64 does: from 256 keys, a 512-key sliding window,
-  // 1 kv head: 1.7x on 2 threads, measured). Shorter rows: run_tiles.
+  // 1 kv head: 1.7x on 2 threads, measured). Shorter rows: run_items (cpu/attention_items.h).
   static int64_t split_min_keys(int D) { return D >= 256 ? 256 : 2 * kDecodeSpan; }
   template <int D>
   static void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1,
@@ -360,53 +361,18 @@ struct Tiles {
   }
 };
 
-// Work items: a tile of tokens against kv heads [kh0, kh1) (one head for a
-// prefill tile, a head group for a decode tile).
-struct Item {
-  int64_t t0, t1;
-  int kh0, kh1;
-};
-
-struct RunCtx {
-  const Args* a;
-  const Item* items;
-};
-
 template <int D>
-void run_items(void* vctx, int64_t i0, int64_t i1) {
-  const RunCtx& c = *static_cast<const RunCtx*>(vctx);
+void run_range(void* vctx, int64_t i0, int64_t i1) {
+  const ItemCtx& c = *static_cast<const ItemCtx*>(vctx);
   const Args& a = *c.a;
   for (int64_t i = i0; i < i1; ++i) {
     const Item& it = c.items[i];
-    if ((it.t1 - it.t0) * (a.Hq / a.Hkv) >= 16) {
+    if (prefill_tile(a, it.t0, it.t1)) {
       tile<D>(a, it.t0, it.t1, it.kh0);
     } else {
       decode_tile<D>(a, it.t0, it.t1, it.kh0, it.kh1);
     }
   }
-}
-
-void run_tiles(const Args& a) {
-  int64_t* tiles = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.T + 1)));
-  Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * (a.T + 1) * a.Hkv));
-  const int64_t nt = make_tiles(a, tiles);
-  const int threads = num_threads();
-  int64_t n = 0;
-  for (int64_t i = 0; i < nt; ++i) {
-    const int64_t ti = interleaved_tile(i, nt), t0 = tiles[ti], t1 = tiles[ti + 1];
-    const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
-    int step = prefill ? 1 : decode_heads_per_item(a, static_cast<int>(t1 - t0));
-    // Fewer decode items than threads (one short row): smaller head groups.
-    while (step > 1 && nt * ((a.Hkv + step - 1) / step) < threads) --step;
-    for (int kh = 0; kh < a.Hkv; kh += step) {
-      items[n++] = Item{t0, t1, kh, kh + step < a.Hkv ? kh + step : a.Hkv};
-    }
-  }
-  RunCtx c{&a, items};
-  const RangeFn fn = a.D == 64 ? &run_items<64> : a.D == 128 ? &run_items<128> : &run_items<256>;
-  parallel_for(n, 1, fn, &c);
-  std::free(items);
-  std::free(tiles);
 }
 
 }  // namespace
@@ -421,7 +387,8 @@ void run_avx512(const Args& a) {
     Kernel<16>::run(a);
     return;
   }
-  run_tiles(a);
+  run_items(a, &decode_heads_per_item,
+            a.D == 64 ? &run_range<64> : a.D == 128 ? &run_range<128> : &run_range<256>);
 }
 
 }  // namespace pa
