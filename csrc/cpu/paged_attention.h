@@ -185,18 +185,12 @@ inline int64_t make_tiles(const Args& a, int64_t* tiles) {
 // tiles of a sequence see more keys), so that contiguous ranges balance.
 inline int64_t interleaved_tile(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
 
-// An ISA file may take over some work items (a tile of tokens t0..t1 of one
-// sequence against kv head kh) with a faster kernel; it returns false to
-// leave the item to the generic one.
-using ItemFn = bool (*)(const Args& a, int64_t t0, int64_t t1, int kh);
-
 template <int W>
 struct Kernel {
   struct Ctx {
     const Args* a;
     const int64_t* tiles;  // [n_tiles + 1] token offsets
     int64_t n_tiles;
-    ItemFn fast;
   };
 
   static void run_range(void* vctx, int64_t begin, int64_t end) {
@@ -223,7 +217,6 @@ struct Kernel {
       const int64_t ti = interleaved_tile(it / a.Hkv, NT);
       const int kh = static_cast<int>(it % a.Hkv);
       const int64_t t0 = c.tiles[ti], t1 = c.tiles[ti + 1];
-      if (c.fast != nullptr && c.fast(a, t0, t1, kh)) continue;
       const int nq = static_cast<int>(t1 - t0);
       const int32_t s = a.seq_idx[t0];
       const bool valid = s >= 0 && s < a.S;
@@ -304,10 +297,10 @@ struct Kernel {
     std::free(scratch);
   }
 
-  static void run(const Args& a, ItemFn fast = nullptr) {
+  static void run(const Args& a) {
     int64_t* tiles = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.T + 1)));
     const int64_t nt = make_tiles(a, tiles);
-    Ctx c{&a, tiles, nt, fast};
+    Ctx c{&a, tiles, nt};
     parallel_for(nt * a.Hkv, 1, &Kernel::run_range, &c);
     std::free(tiles);
   }
