@@ -126,6 +126,28 @@ def test_attention_long_context_split_and_dtypes(path, fmt):
 
 
 @pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], KVQuantFormat(128, 8, 3, 64, True)], ids=fid)
+def test_decode_items_of_head_groups(path, fmt):
+    """Decode tiles whose rows over all kv heads pass one item's limit (48 on
+    the avx512 path) run in groups of heads, uneven at the end (8 heads of 10
+    rows each: 4 + 4; of 14 rows: 3 + 3 + 2), each head's rows in its place."""
+    rng = random.Random(17)
+    mx.random.seed(17)
+    bs, Hq, Hkv = 16, 16, 8
+    for n in (5, 7):
+        q, packed, tables, seq_idx, pos, s = random_case(rng, fmt, n_seqs=1, bs=bs, Hq=Hq, Hkv=Hkv,
+                                                         num_blocks=120, max_len=1500, max_n=1)
+        # one sequence's last n positions: a decode tile of n tokens
+        length = int(pos[0]) + 1
+        pos = mx.array(list(range(max(0, length - n), length)), dtype=mx.int32)
+        seq_idx = mx.zeros((pos.shape[0],), dtype=mx.int32)
+        q = mx.random.normal((pos.shape[0], Hq, fmt.head_dim))
+        kw = dict(scale=fmt.head_dim ** -0.5, block_size=bs, fmt=fmt, signs=s)
+        got = ops.kv_quant_paged_attention(q, packed, tables, seq_idx, pos, **kw)
+        want = ops.kv_quant_paged_attention_reference(q, packed, tables, seq_idx, pos, **kw)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], KVQuantFormat(128, 8, 3, 64, True)], ids=fid)
 def test_scores_use_the_query_rounded_to_8_bits(path, fmt):
     """Every path scores the keys against scale * q rounded to 8 bits per row:
     the output is attention over the dequantized KV with that query, and it

@@ -98,12 +98,15 @@ struct AttnArgs {
 };
 
 // An ISA file may take over a work item (query tokens t0..t1 of one
-// sequence, kv head kh, key blocks [b0, b1)) with a faster kernel: it writes
-// the item's partial state to part ([rows][D + 2]: unnormalised acc, m, l;
-// see Kernels::run_item) and returns true, or returns false to leave the item
-// to the generic kernel.
-using ItemFn = bool (*)(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
-                          float* part);
+// sequence, kv heads [kh0, kh1), key blocks [b0, b1)) with a faster kernel:
+// it writes the item's partial state to part ([kh1 - kh0][rows][D + 2]:
+// unnormalised acc, m, l; see Kernels::run_item) and returns true, or
+// returns false to leave the item to the generic kernel. Items hold one
+// head unless the ISA file asks for head groups (Kernels::attention's
+// decode_heads).
+using ItemFn = bool (*)(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0,
+                        int b1, float* part);
+using DecodeHeadsFn = int (*)(const AttnArgs& a, int rows);
 
 void encode_portable(const EncodeArgs& a);
 void dequant_portable(const DequantArgs& a);
@@ -119,8 +122,8 @@ void attention_avx512(const AttnArgs& a);
 // ItemFn, false for fewer rows or a scheme it does not take. The avx512
 // path takes its prefill items with it (AVX-512 CPUs run AVX2 code): the
 // generic kernel took ~10x the dequantize-then-dense time there.
-bool prefill_item_avx2(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
-                       float* part);
+bool prefill_item_avx2(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0,
+                       int b1, float* part);
 #endif
 #if defined(MLXFAST_ARM64)
 void encode_neon(const EncodeArgs& a);
@@ -136,9 +139,9 @@ namespace {
 // GR>::run (the ISA file's item kernel); false for any other format (the
 // generic kernel runs it).
 template <template <int, int, int, bool, int> class Kernel, int D, int GR>
-bool fast_item_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+bool fast_item_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0, int b1, float* part) {
   const Fmt& f = a.f;
-  using Fn = void (*)(const AttnArgs&, int64_t, int64_t, int, int, int, float*);
+  using Fn = void (*)(const AttnArgs&, int64_t, int64_t, int, int, int, int, float*);
   Fn fn = nullptr;
   if (!f.vturbo) {  // the affine schemes: K and V of one width
     if (f.kbits == 8 && f.vbits == 8) fn = &Kernel<D, 8, 8, false, GR>::run;
@@ -153,28 +156,36 @@ bool fast_item_dg(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int
     }
   }
   if (fn == nullptr) return false;
-  fn(a, t0, t1, kh, b0, b1, part);
+  fn(a, t0, t1, kh0, kh1, b0, b1, part);
   return true;
 }
 
 template <template <int, int, int, bool, int> class Kernel, int D>
-bool fast_item_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+bool fast_item_d(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0, int b1, float* part) {
   switch (a.f.group) {
-    case 64: return fast_item_dg<Kernel, D, 64>(a, t0, t1, kh, b0, b1, part);
-    case 32: return fast_item_dg<Kernel, D, 32>(a, t0, t1, kh, b0, b1, part);
+    case 64: return fast_item_dg<Kernel, D, 64>(a, t0, t1, kh0, kh1, b0, b1, part);
+    case 32: return fast_item_dg<Kernel, D, 32>(a, t0, t1, kh0, kh1, b0, b1, part);
     default: return false;
   }
 }
 
 template <template <int, int, int, bool, int> class Kernel>
-bool fast_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
+bool fast_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0, int b1, float* part) {
   if (a.f.group > a.f.D) return false;
   switch (a.f.D) {
-    case 64: return fast_item_d<Kernel, 64>(a, t0, t1, kh, b0, b1, part);
-    case 128: return fast_item_d<Kernel, 128>(a, t0, t1, kh, b0, b1, part);
-    case 256: return fast_item_d<Kernel, 256>(a, t0, t1, kh, b0, b1, part);
+    case 64: return fast_item_d<Kernel, 64>(a, t0, t1, kh0, kh1, b0, b1, part);
+    case 128: return fast_item_d<Kernel, 128>(a, t0, t1, kh0, kh1, b0, b1, part);
+    case 256: return fast_item_d<Kernel, 256>(a, t0, t1, kh0, kh1, b0, b1, part);
     default: return false;
   }
+}
+
+// A per-head item kernel f(kh, part) over an item's heads [kh0, kh1), each
+// head's partials after the previous head's (ItemFn's layout).
+template <class F>
+inline void each_head(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, float* part, F f) {
+  const size_t hp = static_cast<size_t>(t1 - t0) * (a.Hq / a.Hkv) * (a.f.D + 2);
+  for (int kh = kh0; kh < kh1; ++kh) f(kh, part + (kh - kh0) * hp);
 }
 
 // An ISA item's partial state in the generic kernel's layout (ItemFn):
@@ -564,7 +575,7 @@ struct Kernels {
   // ---- attention ------------------------------------------------------------
   struct Item {
     int64_t tile;     // index into tiles
-    int32_t kh;       // kv head
+    int32_t kh, kh1;  // kv heads [kh, kh1)
     int32_t b0, b1;   // key blocks [b0, b1) of the sequence
     int64_t part;     // offset of this item's partials (floats)
   };
@@ -576,16 +587,26 @@ struct Kernels {
     const int64_t* order;     // items in bucket order
     const int64_t* bucket;    // [n_buckets + 1] offsets into order
     float* parts;             // partials: per item rows * (D + 2)
-    const int64_t* first_item;  // [n_tiles * Hkv + 1]: items of (tile, kh) are contiguous
+    const int64_t* item_lo;   // [n_tiles * Hkv]: the items holding (tile, kh) are
+    const int64_t* item_hi;   // [item_lo, item_hi), contiguous
     ItemFn fast;              // the ISA file's kernel for the items it takes, or null
   };
 
   static void run_item(const Ctx& c, const Item& it, float* scratch) {
     const AttnArgs& a = *c.a;
+    const int64_t t0 = c.tiles[it.tile], t1 = c.tiles[it.tile + 1];
+    if (c.fast && c.fast(a, t0, t1, it.kh, it.kh1, it.b0, it.b1, c.parts + it.part)) return;
+    const size_t head_part = static_cast<size_t>(t1 - t0) * (a.Hq / a.Hkv) * (a.f.D + 2);
+    for (int kh = it.kh; kh < it.kh1; ++kh)
+      run_head(c, it, kh, c.parts + it.part + (kh - it.kh) * head_part, scratch);
+  }
+
+  // The generic kernel on one kv head of an item, its partials to part.
+  static void run_head(const Ctx& c, const Item& it, int kh, float* part, float* scratch) {
+    const AttnArgs& a = *c.a;
     const Fmt& f = a.f;
     const int D = f.D, bs = a.bs, G = a.Hq / a.Hkv;
     const int64_t t0 = c.tiles[it.tile], t1 = c.tiles[it.tile + 1];
-    if (c.fast && c.fast(a, t0, t1, it.kh, it.b0, it.b1, c.parts + it.part)) return;
     const int nq = static_cast<int>(t1 - t0), rows = nq * G;
     float* qf = scratch;                                   // [rows, D]
     float* kblk = qf + static_cast<size_t>(rows) * D;      // [bs, D]
@@ -595,7 +616,7 @@ struct Kernels {
     uint8_t codes[pa::kMaxHeadDim];
     float cbp[16] = {0};
     if (f.vturbo) std::memcpy(cbp, a.codebook, sizeof(float) * (1 << f.vbits));
-    float* part = c.parts + it.part;  // [rows][D + 2]: acc, m, l
+    // part: [rows][D + 2]: acc, m, l
     const size_t qes = pa::elem_size(a.q_dtype);
     int64_t qpos[pa::kTile], qlo[pa::kTile];
     const int32_t s = a.seq_idx[t0];
@@ -605,7 +626,7 @@ struct Kernels {
       if (p > a.B * bs - 1) p = a.B * bs - 1;
       qpos[j] = p;
       for (int g = 0; g < G; ++g) {
-        const int r = j * G + g, h = it.kh * G + g;
+        const int r = j * G + g, h = kh * G + g;
         const char* qp = static_cast<const char*>(a.q) + ((t0 + j) * a.Hq + h) * D * qes;
         float* dst = qf + static_cast<size_t>(r) * D;
         const float* qr = pa::load_row(qp, a.q_dtype, D, dst);
@@ -628,12 +649,12 @@ struct Kernels {
       for (int j = 0; j < nq; ++j) last = qpos[j] + 1 > last ? qpos[j] + 1 : last;
       const int nk = static_cast<int>(last - key0 < bs ? last - key0 : bs);
       if (nk <= 0) continue;
-      const uint8_t* base = a.packed + blk * bs * rowb + static_cast<int64_t>(it.kh) * f.row;
+      const uint8_t* base = a.packed + blk * bs * rowb + static_cast<int64_t>(kh) * f.row;
       if (b + 1 < it.b1) {
         const int64_t nxt = table[b + 1];
         if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots)
           pa::prefetch_rows(reinterpret_cast<const char*>(a.packed),
-                            nxt * bs * rowb + static_cast<int64_t>(it.kh) * f.row, bs, rowb, f.row);
+                            nxt * bs * rowb + static_cast<int64_t>(kh) * f.row, bs, rowb, f.row);
       }
       for (int i = 0; i < nk; ++i)
         decode_affine(base + i * rowb, D, f.kbits, f.group, kblk + static_cast<size_t>(i) * D, codes);
@@ -758,20 +779,23 @@ struct Kernels {
       const int64_t tile = th / a.Hkv;
       const int kh = static_cast<int>(th % a.Hkv);
       const int64_t t0 = c.tiles[tile], nq = c.tiles[tile + 1] - t0;
-      const int64_t i0 = c.first_item[th], i1 = c.first_item[th + 1];
+      const int64_t i0 = c.item_lo[th], i1 = c.item_hi[th];
+      // kh's rows within each item's partials (an item of a head group
+      // holds its heads one after another)
+      const size_t hoff = static_cast<size_t>(kh - c.items[i0].kh) * nq * G * (D + 2);
       for (int j = 0; j < nq; ++j)
         for (int g = 0; g < G; ++g) {
-          const int r = j * G + g;
+          const size_t r = hoff / (D + 2) + j * G + g;
           float M = -INFINITY;
           for (int64_t i = i0; i < i1; ++i) {
-            const float m = c.parts[c.items[i].part + static_cast<size_t>(r) * (D + 2) + D];
+            const float m = c.parts[c.items[i].part + r * (D + 2) + D];
             M = m > M ? m : M;
           }
           float L = 0.f;
           for (int d = 0; d < D; ++d) acc[d] = 0.f;
           if (M != -INFINITY) {
             for (int64_t i = i0; i < i1; ++i) {
-              const float* pr = c.parts + c.items[i].part + static_cast<size_t>(r) * (D + 2);
+              const float* pr = c.parts + c.items[i].part + r * (D + 2);
               if (pr[D] == -INFINITY) continue;
               const float w = std::exp(pr[D] - M);
               L += w * pr[D + 1];
@@ -787,9 +811,11 @@ struct Kernels {
     }
   }
 
-  static void attention(const AttnArgs& a, ItemFn fast = nullptr) {
+  // decode_heads(a, rows): how many kv heads `fast` takes in one decode item
+  // of `rows` query rows (null: one).
+  static void attention(const AttnArgs& a, ItemFn fast = nullptr, DecodeHeadsFn decode_heads = nullptr) {
     if (a.f.D % W != 0) {  // the inner loops step W floats at a time
-      Kernels<4>::attention(a, fast);
+      Kernels<4>::attention(a, fast, decode_heads);
       return;
     }
     const int G = a.Hq / a.Hkv, D = a.f.D, bs = a.bs;
@@ -822,32 +848,57 @@ struct Kernels {
     const int64_t max_chunk = (kMaxChunkKeys + bs - 1) / bs;
     if (chunk > max_chunk) chunk = max_chunk;
     if (chunk < min_chunk) chunk = min_chunk;
-    int64_t n_items = 0;
+    // Items: per tile, its kv heads in groups (one head for a prefill tile;
+    // decode_heads(a, rows) for a decode tile, fewer where the call would
+    // have fewer items than threads), each group's chunks in key order.
+    int64_t* nchunk = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (nt + 1)));
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t nb = nblk[i] - fblk[i];
-      n_items += a.Hkv * (nb > 0 ? (nb + chunk - 1) / chunk : 1);
+      nchunk[i] = nb > 0 ? (nb + chunk - 1) / chunk : 1;
     }
+    auto rows_of = [&](int64_t i) { return static_cast<int>(tiles[i + 1] - tiles[i]) * G; };
+    auto step_of = [&](int64_t i, int cap) {
+      const int hs = rows_of(i) < 16 && decode_heads ? decode_heads(a, rows_of(i)) : 1;
+      return hs < cap ? (hs < 1 ? 1 : hs) : cap;
+    };
+    int cap = a.Hkv;
+    auto count_items = [&](int cp) {
+      int64_t n = 0;
+      for (int64_t i = 0; i < nt; ++i) {
+        const int st = step_of(i, cp);
+        n += (a.Hkv + st - 1) / st * nchunk[i];
+      }
+      return n;
+    };
+    while (cap > 1 && count_items(cap) < threads) --cap;
+    const int64_t n_items = count_items(cap);
     Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * n_items));
-    int64_t* first = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (nt * a.Hkv + 1)));
+    int64_t* item_lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 2 * (nt * a.Hkv + 1)));
+    int64_t* item_hi = item_lo + nt * a.Hkv + 1;
+    int64_t* group_first = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (nt * a.Hkv + 1)));
     int64_t k = 0, off = 0;
     for (int64_t i = 0; i < nt; ++i) {
-      const int rows = static_cast<int>(tiles[i + 1] - tiles[i]) * G;
+      const int st = step_of(i, cap);
       const int64_t nb = nblk[i] - fblk[i];
-      const int64_t nc = nb > 0 ? (nb + chunk - 1) / chunk : 1;
-      for (int kh = 0; kh < a.Hkv; ++kh) {
-        first[i * a.Hkv + kh] = k;
-        for (int64_t ci = 0; ci < nc; ++ci) {
+      for (int kh0 = 0; kh0 < a.Hkv; kh0 += st) {
+        const int kh1 = kh0 + st < a.Hkv ? kh0 + st : a.Hkv;
+        group_first[i * a.Hkv + kh0 / st] = k;
+        for (int kh = kh0; kh < kh1; ++kh) {
+          item_lo[i * a.Hkv + kh] = k;
+          item_hi[i * a.Hkv + kh] = k + nchunk[i];
+        }
+        for (int64_t ci = 0; ci < nchunk[i]; ++ci) {
           Item& it = items[k++];
           it.tile = i;
-          it.kh = kh;
+          it.kh = kh0;
+          it.kh1 = kh1;
           it.b0 = static_cast<int32_t>(fblk[i] + ci * chunk);
           it.b1 = static_cast<int32_t>((ci + 1) * chunk < nb ? fblk[i] + (ci + 1) * chunk : nblk[i]);
           it.part = off;
-          off += static_cast<int64_t>(rows) * (D + 2);
+          off += static_cast<int64_t>(rows_of(i)) * (kh1 - kh0) * (D + 2);
         }
       }
     }
-    first[nt * a.Hkv] = k;
     // Buckets: one contiguous run of `order` per thread (parallel_for hands
     // out contiguous ranges), cut where the running cost passes each
     // thread's share. `order` visits a tile's chunks in key order with the
@@ -860,15 +911,15 @@ struct Kernels {
     int64_t* bucket = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (nbk + 1)));
     auto cost = [&](int64_t i) {
       const Item& it = items[i];
-      return (it.b1 - it.b0 + 1.0) * (tiles[it.tile + 1] - tiles[it.tile] + 2.0);
+      return (it.b1 - it.b0 + 1.0) * (tiles[it.tile + 1] - tiles[it.tile] + 2.0) * (it.kh1 - it.kh);
     };
     double total = 0;
     k = 0;
     for (int64_t i = 0; i < nt; ++i) {
-      const int64_t nc = (first[i * a.Hkv + 1] - first[i * a.Hkv]);
-      for (int64_t ci = 0; ci < nc; ++ci)
-        for (int kh = 0; kh < a.Hkv; ++kh) {
-          order[k] = first[i * a.Hkv + kh] + ci;
+      const int st = step_of(i, cap), ng = (a.Hkv + st - 1) / st;
+      for (int64_t ci = 0; ci < nchunk[i]; ++ci)
+        for (int gi = 0; gi < ng; ++gi) {
+          order[k] = group_first[i * a.Hkv + gi] + ci;
           total += cost(order[k++]);
         }
     }
@@ -881,13 +932,15 @@ struct Kernels {
     }
     while (t + 1 <= nbk) bucket[++t] = n_items;
     float* parts = static_cast<float*>(std::malloc(sizeof(float) * (off > 0 ? off : 1)));
-    Ctx c{&a, tiles, items, order, bucket, parts, first, fast};
+    Ctx c{&a, tiles, items, order, bucket, parts, item_lo, item_hi, fast};
     parallel_for(nbk, 1, &Kernels::run_bucket, &c);
     parallel_for(nt * a.Hkv, 4, &Kernels::merge_range, &c);
     std::free(parts);
     std::free(bucket);
     std::free(order);
-    std::free(first);
+    std::free(group_first);
+    std::free(item_lo);
+    std::free(nchunk);
     std::free(items);
     std::free(nblk);
     std::free(tiles);

@@ -326,31 +326,38 @@ void prefill_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int
 // A work item by its rows: decode (fewer than 16) or prefill.
 template <int D, int KB, int VB, bool VT, int GR>
 struct ItemKernel {
-  static void run(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-    if ((t1 - t0) * (a.Hq / a.Hkv) >= 16)
-      prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
-    else
-      decode_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
+  static void run(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0, int b1,
+                  float* part) {
+    const bool prefill = (t1 - t0) * (a.Hq / a.Hkv) >= 16;
+    each_head(a, t0, t1, kh0, kh1, part, [&](int kh, float* p) {
+      if (prefill)
+        prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, p);
+      else
+        decode_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, p);
+    });
   }
 };
 
-bool take_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-  return fast_item<ItemKernel>(a, t0, t1, kh, b0, b1, part);
+bool take_item(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0, int b1,
+               float* part) {
+  return fast_item<ItemKernel>(a, t0, t1, kh0, kh1, b0, b1, part);
 }
 
 template <int D, int KB, int VB, bool VT, int GR>
 struct PrefillKernel {
-  static void run(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1, float* part) {
-    prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, part);
+  static void run(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0, int b1,
+                  float* part) {
+    each_head(a, t0, t1, kh0, kh1, part,
+              [&](int kh, float* p) { prefill_item<D, KB, VB, VT, GR>(a, t0, t1, kh, b0, b1, p); });
   }
 };
 
 }  // namespace
 
-bool prefill_item_avx2(const AttnArgs& a, int64_t t0, int64_t t1, int kh, int b0, int b1,
+bool prefill_item_avx2(const AttnArgs& a, int64_t t0, int64_t t1, int kh0, int kh1, int b0, int b1,
                        float* part) {
   if ((t1 - t0) * (a.Hq / a.Hkv) < 16) return false;
-  return fast_item<PrefillKernel>(a, t0, t1, kh, b0, b1, part);
+  return fast_item<PrefillKernel>(a, t0, t1, kh0, kh1, b0, b1, part);
 }
 
 void encode_avx2(const EncodeArgs& a) { Kernels<8>::encode(a); }
