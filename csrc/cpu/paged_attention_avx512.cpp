@@ -96,8 +96,12 @@ struct DenseValues {
 // served at a third of a linear read (a standalone read of 3 heads x 64
 // fp16 on one Zen 4 core: 8-9 GB/s per head against 23-25 GB/s for whole
 // slots, the same arithmetic). So an item converts a chunk's keys of all
-// its heads slot by slot, and its P.V passes per head read values the
-// block prefetch brought in for all heads. Online softmax runs per span of
+// its heads slot by slot, and its P.V passes per head read the span's
+// values. There is no software prefetch: the in-order key stream is what
+// the hardware prefetchers follow, and a prefetch of the next block's rows
+// (K and V, every line) was bound by the L1's miss buffers (default model,
+// 8,000 tokens, engine decode: 36-41 tok/s with it, 47 without). Online
+// softmax runs per span of
 // kDecodeSpan keys, not per block: at the engine's 16-token blocks a
 // per-block pass spent as much on the max/exp/sum reductions and the
 // accumulator rescale as on the keys.
@@ -159,7 +163,6 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
     const int64_t nblk = (n_keys + bs - 1) / bs;
     const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;
     const int64_t vrow = krow;
-    const int item_bytes = nh * D * static_cast<int>(kes);  // a slot's rows of the item's heads
     const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh0) * D * kes;
     const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh0) * D * kes;
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -172,13 +175,6 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t blk = table[b];
         if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
-        if (b + 1 < be) {
-          const int64_t nxt = table[b + 1];
-          if (nxt >= 0 && (nxt + 1) * bs <= a.num_slots) {
-            prefetch_rows(kbase, nxt * bs * krow, bs, krow, item_bytes);
-            prefetch_rows(vbase, nxt * bs * vrow, bs, vrow, item_bytes);
-          }
-        }
         const int64_t key0 = b * bs;
         const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
         segs[nseg++] = SpanSeg{blk * bs, nk, n};
