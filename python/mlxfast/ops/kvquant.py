@@ -161,7 +161,13 @@ class KVQuantFormat:
         return self.k_bytes + self.v_bytes
 
     def codebook(self) -> mx.array:
-        return mx.array(codebook(self.v_bits) if self.v_turbo else np.zeros(1, np.float32))
+        return _codebook_array(self.v_bits if self.v_turbo else 0)
+
+
+@lru_cache(maxsize=None)
+def _codebook_array(bits: int) -> mx.array:
+    # One constant per width, not a new array per call (30 layers x 2 ops a step).
+    return mx.array(codebook(bits) if bits else np.zeros(1, np.float32))
 
 
 def has_native_kv_quant(stream=None) -> bool:
@@ -322,9 +328,11 @@ def _fmt_args(fmt: KVQuantFormat):
 
 
 def _signs_or_dummy(fmt, signs):
+    # The affine schemes' placeholder is the constant zero codebook: an
+    # mx.zeros here was one more primitive to schedule per op and layer.
     if fmt.v_turbo:
-        return signs.astype(mx.float32)
-    return mx.zeros((1,), mx.float32)
+        return signs if signs.dtype == mx.float32 else signs.astype(mx.float32)
+    return _codebook_array(0)
 
 
 def kv_quant_encode(k: mx.array, v: mx.array, fmt: KVQuantFormat, signs: mx.array | None = None,
