@@ -20,6 +20,7 @@
 #include "common/cpu_features.h"
 #include "common/scratch.h"
 #include "cpu/decode_span_avx512.h"
+#include "cpu/transpose_avx512.h"
 
 namespace mlxfast {
 namespace kvq {
@@ -68,33 +69,6 @@ inline void turbo_chunks(const uint8_t* vp, int vcode, int c0, __m512 tab, __m51
 // reduction per row (a 16x16 reduce per row and 16 keys was half the
 // kernel's vector work at 3 rows per kv head). The same numbers as the
 // float path up to float rounding order.
-
-// In place: v[k] lane c -> v[c] lane k, 32-bit lanes.
-inline void transpose16x16_epi32(__m512i v[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-  }
-  // u[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
-  for (int i = 0; i < 4; ++i) {
-    v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i lo01 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512i hi01 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512i lo23 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512i hi23 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
-    t[j] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
-    t[4 + j] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
-    t[8 + j] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
-    t[12 + j] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
-  }
-  for (int i = 0; i < 16; ++i) v[i] = t[i];
-}
 
 // 16 keys' codes as dword columns: T[d] lane k = codes 4d .. 4d + 3 of key k
 // (one byte each: 4-bit rows unpacked), keys past nv zero.
