@@ -138,7 +138,8 @@ def test_decode_items_of_head_groups(path, fmt):
                                                          num_blocks=120, max_len=1500, max_n=1)
         # one sequence's last n positions: a decode tile of n tokens
         length = int(pos[0]) + 1
-        pos = mx.array(list(range(max(0, length - n), length)), dtype=mx.int32)
+        assert length >= n
+        pos = mx.array(list(range(length - n, length)), dtype=mx.int32)
         seq_idx = mx.zeros((pos.shape[0],), dtype=mx.int32)
         q = mx.random.normal((pos.shape[0], Hq, fmt.head_dim))
         kw = dict(scale=fmt.head_dim ** -0.5, block_size=bs, fmt=fmt, signs=s)

@@ -596,9 +596,8 @@ struct Kernels {
     const AttnArgs& a = *c.a;
     const int64_t t0 = c.tiles[it.tile], t1 = c.tiles[it.tile + 1];
     if (c.fast && c.fast(a, t0, t1, it.kh, it.kh1, it.b0, it.b1, c.parts + it.part)) return;
-    const size_t head_part = static_cast<size_t>(t1 - t0) * (a.Hq / a.Hkv) * (a.f.D + 2);
-    for (int kh = it.kh; kh < it.kh1; ++kh)
-      run_head(c, it, kh, c.parts + it.part + (kh - it.kh) * head_part, scratch);
+    each_head(a, t0, t1, it.kh, it.kh1, c.parts + it.part,
+              [&](int kh, float* part) { run_head(c, it, kh, part, scratch); });
   }
 
   // The generic kernel on one kv head of an item, its partials to part.
@@ -780,12 +779,12 @@ struct Kernels {
       const int kh = static_cast<int>(th % a.Hkv);
       const int64_t t0 = c.tiles[tile], nq = c.tiles[tile + 1] - t0;
       const int64_t i0 = c.item_lo[th], i1 = c.item_hi[th];
-      // kh's rows within each item's partials (an item of a head group
-      // holds its heads one after another)
-      const size_t hoff = static_cast<size_t>(kh - c.items[i0].kh) * nq * G * (D + 2);
+      // kh's first row within each item's partials (an item of a head
+      // group holds its heads' rows one head after another)
+      const size_t r0 = static_cast<size_t>(kh - c.items[i0].kh) * nq * G;
       for (int j = 0; j < nq; ++j)
         for (int g = 0; g < G; ++g) {
-          const size_t r = hoff / (D + 2) + j * G + g;
+          const size_t r = r0 + j * G + g;
           float M = -INFINITY;
           for (int64_t i = i0; i < i1; ++i) {
             const float m = c.parts[c.items[i].part + r * (D + 2) + D];
