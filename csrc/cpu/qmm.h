@@ -49,7 +49,24 @@ struct Args {
   //   sum over blocks: scale * d * sum(q * xq) + bias * (d * sum(xq)),
   // the integer sums exact (VNNI's vpdpbusd on x86). See run_int8_*.
   bool int8_acts = false;
+  // The row-interleaved layout (bits 4, N % 16 == 0; see rows16_word): w is
+  // [N / 16][K / 8][16] uint32, word (b, j, r) holding values 8j .. 8j+7 of
+  // row 16b + r, and scales / biases are [N / 16][G][16]. A 16-row block then
+  // reads as one stream whose every 64 bytes hold 8 values of each of its 16
+  // rows, so the AVX-512 GEMV puts rows in lanes: no per-group lookup table,
+  // no horizontal sums, one cvtdq2ps per 16 values (see qmm_avx512.cpp).
+  // A load-time repack of MLX's layout (ops.pack_rows16); fp32 activations.
+  bool rows16 = false;
 };
+
+// Word j (values 8j .. 8j+7) of row n, and the index of row n's parameter
+// of group g, in the row-interleaved layout (Args::rows16).
+inline uint32_t rows16_word(const Args& a, int64_t n, int64_t j) {
+  return static_cast<const uint32_t*>(a.w)[((n >> 4) * (a.K >> 3) + j) * 16 + (n & 15)];
+}
+inline int64_t rows16_param(const Args& a, int64_t n, int64_t g) {
+  return ((n >> 4) * (a.K / a.group_size) + g) * 16 + (n & 15);
+}
 
 // Activation values per int8 block (llama.cpp's QK8_1); divides every group
 // size (32, 64, 128), so a block never straddles two weight groups.

@@ -137,6 +137,7 @@ struct Driver {
   // Scales and biases of weight rows n0 .. n0+kNR-1 as fp32 [kNR][G] each
   // (0 past N).
   static void load_sb(const Args& a, int64_t n0, float* sb) {
+    if (a.rows16) return;  // its panels read their parameters themselves
     const int64_t G = a.K / a.group_size;
     const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
     float* scf = sb;

@@ -167,6 +167,12 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 } // namespace
 
 void run_qmm(const qmm::Args& a, CpuPath path) {
+  if (a.rows16) {  // the row-interleaved layout: AVX-512's kernels, else the portable ones
+#if defined(MLXFAST_X86)
+    if (path == CpuPath::Avx512) return qmm::run_avx512(a);
+#endif
+    return qmm::run_portable(a);
+  }
   if (a.int8_acts) {
 #if defined(MLXFAST_X86)
     // The VNNI kernel needs more than the AVX-512 path's check: ask for it.
@@ -204,14 +210,25 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
   if (!is_float(scales.dtype())) fail("scales must be float32, float16 or bfloat16.");
   if (biases.dtype() != scales.dtype()) fail("biases must have the same dtype as scales.");
   if (x_in.ndim() < 1) fail("x must have at least one dimension.");
-  if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
-    fail("w, scales and biases must be 2-D.");
+  // 3-D: the row-interleaved layout of ops.pack_rows16 (qmm::Args::rows16).
+  const bool rows16 = w.ndim() == 3;
+  if (rows16) {
+    if (bits != 4) fail("the row-interleaved layout (3-D w) is 4-bit only, got bits=" + std::to_string(bits) + ".");
+    if (int8_acts) fail("int8 activations need w in MLX's layout (2-D), not the row-interleaved one.");
+    if (w.shape(2) != 16 || scales.ndim() != 3 || biases.ndim() != 3) {
+      std::ostringstream m;
+      m << "a row-interleaved w must be [N / 16, K / 8, 16] with scales and biases [N / 16, "
+           "K / group_size, 16], got w " << w.shape() << ", scales " << scales.shape() << ".";
+      fail(m.str());
+    }
+  } else if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
+    fail("w, scales and biases must be 2-D (or 3-D, row-interleaved).");
   }
   auto stream = mx::to_stream(s);
   Prepared p = prepare(op, x_in, f, stream);
   const auto& x = p.x;
   int64_t K = p.K;
-  int64_t N = w.shape(0);
+  int64_t N = rows16 ? 16 * static_cast<int64_t>(w.shape(0)) : w.shape(0);
   std::ostringstream msg;
   if (K % group_size != 0) {
     msg << "the last dimension of x (" << K << ") must be a multiple of group_size ("
@@ -224,7 +241,8 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
         << bits << ".";
     fail(msg.str());
   }
-  mx::Shape sshape = {static_cast<int>(N), static_cast<int>(K / group_size)};
+  mx::Shape sshape = rows16 ? mx::Shape{w.shape(0), static_cast<int>(K / group_size), 16}
+                            : mx::Shape{static_cast<int>(N), static_cast<int>(K / group_size)};
   if (scales.shape() != sshape || biases.shape() != sshape) {
     msg << "shape mismatch: scales and biases must be " << sshape << " for w "
         << w.shape() << " and group_size=" << group_size << ", got " << scales.shape()
@@ -262,8 +280,10 @@ mx::array quantized_matmul_direct(const mx::array& x_in, const mx::array& w_in,
     if (path_name == cpu_path_name(p)) path = p;
   }
   if (!cpu_supports(path)) fail("direct: path '" + path_name + "' is not supported here.");
-  mx::array out(mx::allocator::malloc(sizeof(float) * x.shape(0) * w.shape(0)),
-                {x.shape(0), w.shape(0)}, mx::float32);
+  const bool rows16 = w.ndim() == 3;
+  const int n = w.shape(0) * (rows16 ? 16 : 1);
+  mx::array out(mx::allocator::malloc(sizeof(float) * x.shape(0) * n), {x.shape(0), n},
+                mx::float32);
   qmm::Args a;
   a.x = x.data<float>();
   a.w = w.data<uint32_t>();
@@ -271,7 +291,8 @@ mx::array quantized_matmul_direct(const mx::array& x_in, const mx::array& w_in,
   a.biases = bi ? bi->data<void>() : nullptr;
   a.out = out.data<float>();
   a.M = x.shape(0);
-  a.N = w.shape(0);
+  a.N = n;
+  a.rows16 = rows16;
   a.K = x.shape(1);
   a.group_size = group_size;
   a.bits = bits;
@@ -285,7 +306,7 @@ mx::array quantized_matmul_direct(const mx::array& x_in, const mx::array& w_in,
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(
     const std::vector<mx::array>& inputs) {
   mx::Shape out = inputs[0].shape();
-  out.back() = inputs[1].shape(0);
+  out.back() = inputs[1].shape(0) * (inputs[1].ndim() == 3 ? 16 : 1);
   return {out};
 }
 
@@ -309,7 +330,8 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs,
   a.scales = sc.data<void>();
   a.biases = symmetric_ ? nullptr : bi.data<void>();
   a.out = out.data<void>();
-  a.N = w.shape(0);
+  a.rows16 = w.ndim() == 3;
+  a.N = w.shape(0) * (a.rows16 ? 16 : 1);
   a.K = spec_.prologue == FusedSpec::ActHalves ? x.shape(-1) / 2 : x.shape(-1);
   a.M = a.N > 0 ? static_cast<int64_t>(out.size()) / a.N : 0;  // also right for K == 0
   a.group_size = group_size_;

@@ -26,16 +26,16 @@ from .dispatch import (cpu_path, cpu_supports, int8_activations_unsupported, num
 from .kvquant import (KVQuantFormat, has_native_kv_quant, kv_quant_dequant,
                       kv_quant_dequant_reference, kv_quant_encode, kv_quant_encode_reference,
                       kv_quant_paged_attention, kv_quant_paged_attention_reference)
-from .matmul import (dense_matmul, dense_matmul_reference, dequantize_rows,
-                     dequantize_rows_reference, fake_quantize_activations_int8, quantized_matmul,
-                     quantized_matmul_int8_reference, quantized_matmul_reference,
-                     symmetric_biases)
+from .matmul import (can_pack_rows16, dense_matmul, dense_matmul_reference, dequantize_rows,
+                     dequantize_rows_reference, fake_quantize_activations_int8, pack_rows16,
+                     quantized_matmul, quantized_matmul_int8_reference,
+                     quantized_matmul_reference, symmetric_biases, unpack_rows16)
 from .norm_rope import qkv_rope, qkv_rope_reference, rms_norm, rms_norm_reference, rope, rope_reference
 from .moe import moe_experts, moe_experts_reference, moe_route, moe_route_reference
 from .sampling import sample_tokens, sample_tokens_reference
 
 __all__ = [
-    "ACTS", "KVQuantFormat", "cpu_path", "cpu_supports", "dense_matmul", "dense_matmul_reference",
+    "ACTS", "KVQuantFormat", "can_pack_rows16", "cpu_path", "cpu_supports", "dense_matmul", "dense_matmul_reference",
     "dequantize_rows", "dequantize_rows_reference", "fake_quantize_activations_int8", "gelu_mul", "gelu_mul_halves",
     "gelu_mul_halves_reference", "gelu_mul_reference", "has_native_kv_quant",
     "has_native_paged_attention", "int8_activations_unsupported", "kv_quant_dequant", "kv_quant_dequant_reference",
@@ -45,6 +45,6 @@ __all__ = [
     "moe_route_reference", "num_threads", "on_cpu", "paged_attention", "paged_attention_reference",
     "paged_gather_reference", "qkv_rope", "qkv_rope_reference", "quantized_matmul",
     "quantized_matmul_int8_reference", "quantized_matmul_reference", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
-    "sample_tokens", "sample_tokens_reference", "set_cpu_path", "silu_mul", "silu_mul_halves",
-    "silu_mul_halves_reference", "silu_mul_reference",
+    "pack_rows16", "sample_tokens", "sample_tokens_reference", "set_cpu_path", "silu_mul", "silu_mul_halves",
+    "silu_mul_halves_reference", "silu_mul_reference", "symmetric_biases", "unpack_rows16",
 ]

@@ -147,6 +147,46 @@ def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
     return scales * -float(1 << (bits - 1))
 
 
+# The row-interleaved layout (CPU, AVX-512, 4-bit): MLX's w [N, K / 8]
+# uint32 regrouped as [N / 16, K / 8, 16], word (b, j, r) holding values
+# 8j .. 8j+7 of row 16b + r, and scales / biases [N, G] as [N / 16, G, 16].
+# The AVX-512 GEMV then runs 16 rows in the lanes of a vector over one
+# contiguous stream (see csrc/cpu/qmm.h, Args::rows16). A load-time repack:
+# the same bytes, another order. ``quantized_matmul`` takes it as it takes
+# MLX's layout (a 3-D w); ``unpack_rows16`` undoes it.
+ROWS16 = 16
+
+
+def can_pack_rows16(w: mx.array, bits: int) -> bool:
+    """Whether a 2-D MLX-layout w of this width can be packed (4-bit, N % 16 == 0)."""
+    return bits == 4 and w.ndim == 2 and w.shape[0] % ROWS16 == 0 and w.shape[0] > 0
+
+
+def _interleave(a: mx.array) -> mx.array:
+    n, c = a.shape
+    return mx.contiguous(a.reshape(n // ROWS16, ROWS16, c).transpose(0, 2, 1))
+
+
+def _deinterleave(a: mx.array) -> mx.array:
+    b, c, _ = a.shape
+    return mx.contiguous(a.transpose(0, 2, 1).reshape(b * ROWS16, c))
+
+
+def pack_rows16(w: mx.array, scales: mx.array, biases: mx.array | None):
+    """(w, scales, biases) in the row-interleaved layout (biases None stays None)."""
+    if not can_pack_rows16(w, 4) or scales.ndim != 2 or scales.shape[0] != w.shape[0]:
+        raise ValueError(f"[mlxfast.pack_rows16] needs a 2-D w with rows a multiple of {ROWS16} "
+                         f"and matching 2-D scales, got w {tuple(w.shape)}, scales {tuple(scales.shape)}.")
+    return _interleave(w), _interleave(scales), None if biases is None else _interleave(biases)
+
+
+def unpack_rows16(w: mx.array, scales: mx.array, biases: mx.array | None):
+    """The inverse of :func:`pack_rows16`: MLX's layout; arrays already in it pass through."""
+    if w.ndim != 3:
+        return w, scales, biases
+    return _deinterleave(w), _deinterleave(scales), None if biases is None else _deinterleave(biases)
+
+
 def quantized_matmul_int8_reference(x: mx.array, w: mx.array, scales: mx.array,
                                     biases: mx.array | None, *, group_size: int = 64,
                                     bits: int = 4) -> mx.array:
@@ -193,6 +233,7 @@ def quantized_matmul_reference(
     """
     _check_fusion("quantized_matmul", norm, act)
     _check_activations(activations, transpose)
+    w, scales, biases = unpack_rows16(w, scales, biases)
     x = _prologue(x, norm, act, reference=True)
     if biases is None:
         biases = symmetric_biases(scales, bits)

@@ -1,0 +1,153 @@
+"""The row-interleaved 4-bit layout (ops.pack_rows16): the AVX-512 GEMV's
+layout, a load-time repack of MLX's. Oracle and tolerances as in
+test_ops_qmm.py (dequantize with MLX, fp32 matmul, error against |x| @ |W|.T);
+every CPU path this machine runs is forced in turn (AVX-512 runs its own
+kernels on it, the others the portable ones)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxfast
+from mlxfast import ops
+from mlxfast.kv.dense import DenseKVCache
+from mlxfast.models.layers import QuantizedLinear, pack_rows16, unpack_rows16
+
+from test_ops_qmm import TOL, make_weights, oracle
+
+
+def packed(N, K, gs, sdtype, symmetric=False, seed=0):
+    wq, s, b = make_weights(N, K, gs, 4, sdtype, seed)
+    b = None if symmetric else b
+    return (wq, s, b), ops.pack_rows16(wq, s, b)
+
+
+def check_close(got, x, wq, s, b, gs):
+    ref, scale = oracle(x, wq, s, ops.symmetric_biases(s, 4) if b is None else b, gs, 4)
+    assert got.dtype == x.dtype and got.shape == ref.shape
+    worst = (mx.abs(got.astype(mx.float32) - ref) / (scale + 1e-30)).max().item()
+    assert np.isfinite(worst) and worst <= TOL[x.dtype], worst
+
+
+def test_pack_is_a_reordering_and_unpack_undoes_it():
+    (wq, s, b), (pw, ps, pb) = packed(48, 256, 64, mx.float16)
+    assert pw.shape == (3, 32, 16) and ps.shape == (3, 4, 16) and pb.shape == (3, 4, 16)
+    # word (blk, j, r) is word j of row 16 * blk + r
+    assert pw[1, 5, 7].item() == wq[16 + 7, 5].item()
+    assert ps[2, 3, 15].item() == s[47, 3].item()
+    for a, c in zip(ops.unpack_rows16(pw, ps, pb), (wq, s, b)):
+        assert mx.array_equal(a, c).item()
+    assert ops.unpack_rows16(wq, s, None) == (wq, s, None)  # MLX's layout passes through
+
+
+SHAPES = [(N, K, gs) for N, K in [(16, 32), (48, 576), (96, 1536), (32, 4096)]
+          for gs in (32, 64, 128) if K % gs == 0]
+
+
+@pytest.mark.parametrize("N,K,gs", SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 40])
+def test_matches_the_oracle(path, N, K, gs, M):
+    (wq, s, b), p = packed(N, K, gs, mx.float16, seed=M)
+    x = mx.random.normal((M, K), key=mx.random.key(M))
+    check_close(ops.quantized_matmul(x, *p, group_size=gs, bits=4), x, wq, s, b, gs)
+
+
+@pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
+@pytest.mark.parametrize("M", [1, 7, 24])
+def test_dtypes_and_symmetric(path, xdtype, sdtype, symmetric, M):
+    (wq, s, b), p = packed(64, 320, 32, sdtype, symmetric)
+    x = mx.random.normal((M, 320), key=mx.random.key(3)).astype(xdtype)
+    check_close(ops.quantized_matmul(x, *p, group_size=32, bits=4), x, wq, s, b, 32)
+
+
+@pytest.mark.parametrize("M", [17, 40, 70])
+def test_gemm_is_the_mlx_layout_gemm_bit_for_bit(M):
+    """Past the GEMV's rows both layouts dequantize panels to the same
+    values (s * q + b, one rounding) and share the micro-kernel."""
+    for symmetric in (False, True):
+        (wq, s, b), p = packed(96, 576, 32, mx.float16, symmetric)
+        x = mx.random.normal((M, 576), key=mx.random.key(M))
+        got = ops.quantized_matmul(x, *p, group_size=32, bits=4)
+        assert mx.array_equal(got, ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4)).item()
+
+
+@pytest.mark.parametrize("gs", [32, 128])
+def test_gemv_rows_do_not_depend_on_their_batch(path, gs):
+    """A row's output is bit-identical alone and among up to 16 others:
+    each activation row's sums run in one order whatever the tile."""
+    _, p = packed(64, 512, gs, mx.float16)
+    x = mx.random.normal((16, 512), key=mx.random.key(9))
+    alone = [ops.quantized_matmul(x[i:i + 1], *p, group_size=gs, bits=4) for i in range(16)]
+    for M in range(2, 17):
+        got = ops.quantized_matmul(x[:M], *p, group_size=gs, bits=4)
+        for i in range(M):
+            assert mx.array_equal(got[i:i + 1], alone[i]).item(), (M, i)
+
+
+def test_fused_pieces_and_reference():
+    """norm / act / residual wrap the matmul as with MLX's layout; the
+    reference takes either layout."""
+    (wq, s, b), p = packed(64, 256, 32, mx.float16)
+    x = mx.random.normal((3, 256), key=mx.random.key(1))
+    nw = mx.random.normal((256,), key=mx.random.key(2))
+    r = mx.random.normal((3, 64), key=mx.random.key(3))
+    for kw in (dict(norm=(nw, 1e-5)), dict(residual=r), dict(norm=(nw, 1e-5), residual=r)):
+        got = ops.quantized_matmul(x, *p, group_size=32, bits=4, **kw)
+        want = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4, **kw)
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+        ref = ops.quantized_matmul_reference(x, *p, group_size=32, bits=4, **kw)
+        assert mx.allclose(got, ref, rtol=1e-4, atol=1e-4).item()
+    x2 = mx.random.normal((2, 512), key=mx.random.key(4))
+    got = ops.quantized_matmul(x2, *p, group_size=32, bits=4, act="silu_mul_halves")
+    want = ops.quantized_matmul(x2, wq, s, b, group_size=32, bits=4, act="silu_mul_halves")
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_bad_input():
+    (wq, s, b), (pw, ps, pb) = packed(32, 128, 32, mx.float16)
+    x = mx.ones((1, 128))
+    with pytest.raises(ValueError, match="int8 activations need w in MLX's layout"):
+        ops.quantized_matmul(x, pw, ps, pb, group_size=32, bits=4, activations="int8")
+    with pytest.raises(ValueError, match="4-bit only"):
+        ops.quantized_matmul(x, pw, ps, pb, group_size=32, bits=8)
+    with pytest.raises(ValueError, match="scales and biases must be"):
+        ops.quantized_matmul(x, pw, ps, pb, group_size=64, bits=4)
+    with pytest.raises(ValueError, match="row-interleaved w must be"):
+        ops.quantized_matmul(x, pw, s, b, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.pack_rows16(wq[:24], s[:24], b[:24])
+    assert not ops.can_pack_rows16(wq, 8) and not ops.can_pack_rows16(wq[:8], 4)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return mlxfast.load()[0]
+
+
+def _quantized(model):
+    return [(n, l) for n, l in model.named_modules() if isinstance(l, QuantizedLinear)]
+
+
+@pytest.mark.skipif(ops.cpu_path() != "avx512", reason="the layout is packed only on the AVX-512 path")
+def test_the_default_model_loads_packed_and_computes_the_same(default_model):
+    """The loader packs every 4-bit projection on AVX-512; the logits match
+    the same model in MLX's layout (a different fp32 sum order: close, not
+    equal), and unpack / pack round-trips the weights exactly."""
+    m = default_model
+    layers = _quantized(m)
+    packed_layers = [n for n, l in layers if l["weight"].ndim == 3]
+    assert packed_layers and len(packed_layers) == sum(l.bits == 4 for _, l in layers)
+    before = {n: l["weight"] for n, l in layers}
+    tokens = mx.array([[1, 504, 3457, 28, 253, 1789, 30, 9, 1234, 17]])
+    try:
+        got = m(tokens, DenseKVCache(len(m.layers)))
+        assert unpack_rows16(m) == len(packed_layers)
+        want = m(tokens, DenseKVCache(len(m.layers)))
+    finally:
+        assert pack_rows16(m) == len(packed_layers)
+    for n, l in layers:
+        assert mx.array_equal(l["weight"], before[n]).item()
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-3).item()
+    assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
