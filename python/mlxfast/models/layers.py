@@ -100,6 +100,43 @@ class QuantizedLinear(nn.Module):
             residual=residual, activations=self.activations), bias)
 
 
+def pack_rows16(model: nn.Module) -> int:
+    """Repack the 4-bit projections of ``model`` (QuantizedLinear, fp32
+    activations, rows a multiple of 16) into the row-interleaved layout
+    (``ops.pack_rows16``) where ops run on the CPU's AVX-512 path, whose
+    GEMV reads it with 16 rows in the lanes of a vector (csrc/cpu/qmm.h,
+    ``Args::rows16``): the same bytes in another order, the layer's calls
+    unchanged. Elsewhere nothing changes. Returns how many layers were
+    packed. Code that slices a layer's weight (models/shard.py) calls
+    :func:`unpack_rows16` first."""
+    if not (ops.on_cpu(None) and ops.cpu_path() == "avx512"):
+        return 0
+    n = 0
+    for _, layer in model.named_modules():
+        if (isinstance(layer, QuantizedLinear) and layer.activations == "fp32"
+                and ops.can_pack_rows16(layer["weight"], layer.bits)):
+            _set_weights(layer, ops.pack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
+            n += 1
+    return n
+
+
+def unpack_rows16(model: nn.Module) -> int:
+    """Every row-interleaved layer of ``model`` back in MLX's layout (see
+    :func:`pack_rows16`); returns how many."""
+    n = 0
+    for _, layer in model.named_modules():
+        if isinstance(layer, QuantizedLinear) and layer["weight"].ndim == 3:
+            _set_weights(layer, ops.unpack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
+            n += 1
+    return n
+
+
+def _set_weights(layer, arrays) -> None:
+    w, scales, biases = arrays
+    layer.update({"weight": w, "scales": scales} | ({} if biases is None else {"biases": biases}))
+    mx.eval(layer.parameters())
+
+
 def _prologue_dtype(x: mx.array, norm) -> mx.Dtype:
     """The dtype the matmul sees (rms_norm promotes x with its weight)."""
     return x.dtype if norm is None else mx.result_type(x, norm[0])
@@ -226,6 +263,8 @@ def set_matmul_activations(model: nn.Module, mode: str) -> int:
         if missing:
             raise ValueError(f"--matmul-activations int8: {missing}")
     n = 0
+    if mode == "int8":
+        unpack_rows16(model)  # the int8 kernels read MLX's layout
     for path, layer in model.named_modules():
         # The quantized projections: QuantizedLinear, QuantizedEmbedding and
         # moe.QuantizedSwitchLinear (which imports this module) carry both.

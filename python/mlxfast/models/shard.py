@@ -43,7 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .layers import Linear, QuantizedLinear
+from .layers import Linear, QuantizedLinear, pack_rows16, unpack_rows16
 
 # The ring backend's all_sum costs ~6 ms flat above ~1 MiB on loopback (0.3 ms
 # at 512 KiB; bench/bench_tp.py), so larger reductions go in row chunks of at
@@ -211,7 +211,17 @@ def _sizes(args) -> list[int]:
 def shard_model(model, group, *, rank: int | None = None, size: int | None = None) -> TPInfo:
     """Split ``model``'s weights for ``rank`` of ``size`` (default: the group's)
     in place and return its :class:`TPInfo`; the row-parallel projections
-    all-reduce over ``group``. Checks everything before changing anything."""
+    all-reduce over ``group``. Checks everything before changing anything
+    (but the layout: the projections are sliced in MLX's layout and
+    repacked after, see layers.pack_rows16)."""
+    unpack_rows16(model)
+    try:
+        return _shard(model, group, rank, size)
+    finally:
+        pack_rows16(model)
+
+
+def _shard(model, group, rank: int | None, size: int | None) -> TPInfo:
     rank = group.rank() if rank is None else rank
     size = group.size() if size is None else size
     args = model.args
