@@ -15,7 +15,7 @@ from tiny_models import make_tiny_model
 
 from mlxfast.kv import DenseKVCache
 from mlxfast.models import gguf
-from mlxfast.models.layers import QuantizedLinear
+from mlxfast.models.layers import QuantizedLinear, pack_rows16
 from mlxfast.models.loader import build_model
 
 TOKENS = mx.array([[5, 17, 99, 3, 200, 42, 7, 150, 64, 11]])
@@ -59,6 +59,14 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, qtype, tied):
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     assert err < 1e-4, err
     assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
+    # The AVX-512 path's load-time layout (layers.pack_rows16: 4-bit layers,
+    # a tied head's embedding too) computes the same model.
+    if pack_rows16(model):
+        embed = model.model.embed_tokens
+        assert (embed["weight"].ndim == 3) == (qtype in (Q.Q4_0, Q.Q4_1))
+        packed = model(TOKENS, DenseKVCache(len(model.layers)))
+        assert (mx.abs(packed - want).max() / mx.abs(want).max()).item() < 1e-4
+        assert (mx.argmax(packed, -1) == mx.argmax(want, -1)).all().item()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])

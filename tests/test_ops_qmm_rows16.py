@@ -151,3 +151,22 @@ def test_the_default_model_loads_packed_and_computes_the_same(default_model):
         assert mx.array_equal(l["weight"], before[n]).item()
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-3).item()
     assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_embedding_lookup_reads_the_layout(symmetric, dtype):
+    """dequantize_rows (a tied head's embedding lookup) gives the same rows
+    bit for bit from either layout; ids outside [0, V) give zeros."""
+    (wq, s, b), p = packed(64, 256, 32, mx.float16, symmetric)
+    ids = mx.array([[0, 17, 63], [31, -1, 64]])
+    got = ops.dequantize_rows(*p, ids, group_size=32, bits=4, dtype=dtype)
+    want = ops.dequantize_rows(wq, s, b, ids, group_size=32, bits=4, dtype=dtype)
+    assert got.shape == (2, 3, 256) and mx.array_equal(got, want).item()
+    assert not mx.any(got[1, 1]).item() and not mx.any(got[1, 2]).item()
+    ref = ops.dequantize_rows_reference(*p, mx.array([0, 17, 63]), group_size=32, bits=4, dtype=dtype)
+    assert mx.array_equal(ref, want[0]).item()
+    with pytest.raises(ValueError, match=r"scales and biases must be \[V / 16"):
+        ops.dequantize_rows(p[0], s, b, ids, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="row-interleaved layout: 4-bit"):
+        ops.dequantize_rows(p[0], *p[1:], ids, group_size=32, bits=8)

@@ -38,9 +38,12 @@ inline uint32_t code(const uint8_t* row, int64_t j, int bits) {
   return v & ((1u << bits) - 1u);
 }
 
+// rows16: the row-interleaved 4-bit layout (qmm::Args::rows16, ops.pack_rows16):
+// w [V / 16][D / 8][16] uint32, scales and biases [V / 16][G][16].
 template <typename O>
 void run(const uint8_t* w, const void* sc, const void* bi, mx::Dtype sdt, const int32_t* ids,
-         O* out, int64_t n, int64_t V, int64_t D, int64_t row_bytes, int group_size, int bits) {
+         O* out, int64_t n, int64_t V, int64_t D, int64_t row_bytes, int group_size, int bits,
+         bool rows16) {
   const int64_t groups = D / group_size;
   parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [=](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
@@ -51,11 +54,15 @@ void run(const uint8_t* w, const void* sc, const void* bi, mx::Dtype sdt, const 
         continue;
       }
       const uint8_t* row = w + id * row_bytes;
+      const uint32_t* block = reinterpret_cast<const uint32_t*>(w) + (id >> 4) * (D / 8) * 16 + (id & 15);
       for (int64_t g = 0; g < groups; ++g) {
-        const float s = load(sdt, sc, id * groups + g);
-        const float z = bi ? load(sdt, bi, id * groups + g) : s * -static_cast<float>(1 << (bits - 1));
-        for (int64_t j = g * group_size; j < (g + 1) * group_size; ++j)
-          o[j] = static_cast<O>(s * static_cast<float>(code(row, j, bits)) + z);
+        const int64_t p = rows16 ? ((id >> 4) * groups + g) * 16 + (id & 15) : id * groups + g;
+        const float s = load(sdt, sc, p);
+        const float z = bi ? load(sdt, bi, p) : s * -static_cast<float>(1 << (bits - 1));
+        for (int64_t j = g * group_size; j < (g + 1) * group_size; ++j) {
+          const uint32_t q = rows16 ? (block[(j >> 3) * 16] >> (4 * (j & 7))) & 0xfu : code(row, j, bits);
+          o[j] = static_cast<O>(s * static_cast<float>(q) + z);
+        }
       }
     }
   });
@@ -73,12 +80,20 @@ mx::array dequantize_rows(const mx::array& w, const mx::array& scales,
   if (bits < 2 || bits > 8 || bits == 7) fail(op, "bits must be 2, 3, 4, 5, 6 or 8.");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     fail(op, "group_size must be 32, 64 or 128.");
-  if (w.ndim() != 2 || w.dtype() != mx::uint32) fail(op, "w must be a uint32 [V, D * bits / 32] array.");
+  const bool rows16 = w.ndim() == 3;  // the row-interleaved layout (ops.pack_rows16)
+  if (rows16 && (bits != 4 || w.shape(2) != 16)) {
+    fail(op, "a 3-D w is the row-interleaved layout: 4-bit, [V / 16, D / 8, 16].");
+  }
+  if ((w.ndim() != 2 && !rows16) || w.dtype() != mx::uint32) {
+    fail(op, "w must be a uint32 [V, D * bits / 32] array (or [V / 16, D / 8, 16], row-interleaved).");
+  }
   const int64_t D = static_cast<int64_t>(w.shape(1)) * 32 / bits;
   if (D % group_size != 0) fail(op, "the row length must be a multiple of group_size.");
-  if (scales.shape() != mx::Shape{w.shape(0), static_cast<int>(D / group_size)} ||
-      biases.shape() != scales.shape())
-    fail(op, "scales and biases must be [V, D / group_size].");
+  const mx::Shape sshape = rows16 ? mx::Shape{w.shape(0), static_cast<int>(D / group_size), 16}
+                                  : mx::Shape{w.shape(0), static_cast<int>(D / group_size)};
+  if (scales.shape() != sshape || biases.shape() != scales.shape())
+    fail(op, rows16 ? "scales and biases must be [V / 16, D / group_size, 16]."
+                    : "scales and biases must be [V, D / group_size].");
   if (!is_float(scales.dtype()) || biases.dtype() != scales.dtype())
     fail(op, "scales and biases must share a float32, float16 or bfloat16 dtype.");
   if (!mx::issubdtype(ids.dtype(), mx::integer)) fail(op, "ids must be integers.");
@@ -98,7 +113,8 @@ void DequantizeRows::eval_cpu(const std::vector<mx::array>& inputs,
   auto& enc = begin_eval(stream(), inputs, outputs);
   DenseInput w = dense_input(inputs[0], enc), sc = dense_input(inputs[1], enc),
              bi = dense_input(inputs[2], enc), ids = dense_input(inputs[3], enc);
-  const int64_t V = inputs[0].shape(0);
+  const bool rows16 = inputs[0].ndim() == 3;
+  const int64_t V = inputs[0].shape(0) * (rows16 ? 16 : 1);
   const int64_t row_bytes = static_cast<int64_t>(inputs[0].shape(1)) * 4;
   const int64_t D = row_bytes * 8 / bits_;
   const int64_t n = inputs[3].size();
@@ -114,7 +130,7 @@ void DequantizeRows::eval_cpu(const std::vector<mx::array>& inputs,
     auto go = [&](auto* typed) {
       run(static_cast<const uint8_t*>(w.data), sc.data, symmetric ? nullptr : bi.data, sdt,
           ids.as<int32_t>(), typed,
-          n, V, D, row_bytes, gs, bits);
+          n, V, D, row_bytes, gs, bits, rows16);
     };
     if (odt == mx::float32) {
       go(static_cast<float*>(o));

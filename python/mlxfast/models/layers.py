@@ -101,8 +101,9 @@ class QuantizedLinear(nn.Module):
 
 
 def pack_rows16(model: nn.Module) -> int:
-    """Repack the 4-bit projections of ``model`` (QuantizedLinear, fp32
-    activations, rows a multiple of 16) into the row-interleaved layout
+    """Repack the 4-bit projections of ``model`` (QuantizedLinear and
+    QuantizedEmbedding, whose lookup reads it too; fp32 activations, rows a
+    multiple of 16) into the row-interleaved layout
     (``ops.pack_rows16``) where ops run on the CPU's AVX-512 path, whose
     GEMV reads it with 16 rows in the lanes of a vector (csrc/cpu/qmm.h,
     ``Args::rows16``): the same bytes in another order, the layer's calls
@@ -113,7 +114,7 @@ def pack_rows16(model: nn.Module) -> int:
         return 0
     n = 0
     for _, layer in model.named_modules():
-        if (isinstance(layer, QuantizedLinear) and layer.activations == "fp32"
+        if (isinstance(layer, (QuantizedLinear, QuantizedEmbedding)) and layer.activations == "fp32"
                 and ops.can_pack_rows16(layer["weight"], layer.bits)):
             _set_weights(layer, ops.pack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
             n += 1
@@ -125,7 +126,7 @@ def unpack_rows16(model: nn.Module) -> int:
     :func:`pack_rows16`); returns how many."""
     n = 0
     for _, layer in model.named_modules():
-        if isinstance(layer, QuantizedLinear) and layer["weight"].ndim == 3:
+        if isinstance(layer, (QuantizedLinear, QuantizedEmbedding)) and layer["weight"].ndim == 3:
             _set_weights(layer, ops.unpack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
             n += 1
     return n

@@ -325,6 +325,7 @@ def dequantize_rows_reference(
 ) -> mx.array:
     """Pure-MLX :func:`dequantize_rows`: gather the packed rows, dequantize in
     float32 (biases None: symmetric, as for :func:`quantized_matmul`)."""
+    w, scales, biases = unpack_rows16(w, scales, biases)
     if biases is None:
         biases = symmetric_biases(scales, bits)
     out = mx.dequantize(w[ids], scales[ids].astype(mx.float32), biases[ids].astype(mx.float32),
