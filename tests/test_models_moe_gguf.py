@@ -17,6 +17,7 @@ from mlxfast import ops
 from mlxfast.kv import DenseKVCache
 from mlxfast.models import gguf
 from mlxfast.models.layers import set_matmul_activations
+from mlxfast.models.layers import pack_rows16
 from mlxfast.models.loader import build_model
 from mlxfast.models.moe import QuantizedSwitchLinear, SparseMoE, SwitchLinear
 
@@ -81,6 +82,13 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, model_type, per_expert, qtyp
     got, want = model(tokens, DenseKVCache.for_model(model)), ref(tokens)
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     assert err < 1e-4, err
+    # The AVX-512 path's load-time layout (layers.pack_rows16) packs the
+    # 4-bit experts too, and computes the same model.
+    if pack_rows16(model):
+        assert (moe.switch_mlp.gate_proj["weight"].ndim == 4) == (kind is QuantizedSwitchLinear
+                                                                  and qtype != Q.Q8_0)
+        packed = model(tokens, DenseKVCache.for_model(model))
+        assert (mx.abs(packed - want).max() / mx.abs(want).max()).item() < 1e-4
 
 
 def test_gguf_moe_metadata_errors():

@@ -310,3 +310,55 @@ def test_route_ties_take_the_lower_id():
 def test_route_validates_k():
     with pytest.raises(ValueError, match="moe_route.*k"):
         ops.moe_route(mx.zeros((2, 4)), 5)
+
+
+def _packed(w, symmetric=False):
+    return {n: ops.pack_rows16(p[0], p[1], None if symmetric else p[2]) for n, p in w.items()}
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
+@pytest.mark.parametrize("T,k,everyone", [(1, 6, None), (7, 2, None), (40, 3, 2), (64, 2, 2)])
+def test_row_interleaved_experts(path, group_size, symmetric, T, k, everyone):
+    """Experts packed as ops.pack_rows16 does ([E, N/16, K/8, 16], what the
+    loader does on AVX-512) give the reference's result: light experts (the
+    GEMV pieces) and an expert every token chose (the GEMM), symmetric
+    weights, and the same result as the MLX layout within fp32 rounding."""
+    w = experts(4, group_size, seed=T)
+    if symmetric:
+        w = {n: (p[0], p[1], None) for n, p in w.items()}
+    pw = _packed(w, symmetric)
+    assert pw["gate"][0].shape == (E, I // 16, D // 8, 16)
+    mx.random.seed(T)
+    x = mx.random.normal((T, D))
+    inds, scores = routing(T, k, seed=T, everyone=everyone, nobody=5)
+    args = (x, inds, scores)
+    got = ops.moe_experts(*args, pw["gate"], pw["up"], pw["down"], group_size=group_size, bits=4)
+    ref = moe_experts_reference(*args, pw["gate"], pw["up"], pw["down"], group_size=group_size, bits=4)
+    std = ops.moe_experts(*args, w["gate"], w["up"], w["down"], group_size=group_size, bits=4)
+    assert mx.array_equal(ref, moe_experts_reference(*args, w["gate"], w["up"], w["down"],
+                                                     group_size=group_size, bits=4)).item()
+    assert rel_err(got, ref) < TOL[mx.float32] and rel_err(got, std) < TOL[mx.float32]
+
+
+def test_row_interleaved_experts_light_rows_are_batch_invariant():
+    w = _packed(experts(4, 32, seed=3))
+    x = mx.random.normal((12, D), key=mx.random.key(4))
+    inds, scores = routing(12, 2, seed=4)
+    run = lambda a, b: ops.moe_experts(x[a:b], inds[a:b], scores[a:b], w["gate"], w["up"],  # noqa: E731
+                                       w["down"], group_size=32, bits=4)
+    whole = run(0, 12)
+    for t in range(12):
+        assert mx.array_equal(run(t, t + 1), whole[t:t + 1]).item(), t
+
+
+def test_row_interleaved_experts_bad_input():
+    w = experts(4, 32)
+    pw = _packed(w)
+    x = mx.random.normal((3, D))
+    inds, scores = routing(3, 2)
+    with pytest.raises(ValueError, match="share a layout"):
+        ops.moe_experts(x, inds, scores, pw["gate"], w["up"], pw["down"], group_size=32, bits=4)
+    with pytest.raises(ValueError, match="4-bit with fp32 activations"):
+        ops.moe_experts(x, inds, scores, pw["gate"], pw["up"], pw["down"], group_size=32, bits=4,
+                        activations="int8")

@@ -532,9 +532,19 @@ using Avx512Driver = Driver<Avx512>;
 
 } // namespace
 
-void gemv_prepare_avx512(const Args& a, float* xp) { Avx512::prepare_x(a, xp); }
+void gemv_prepare_avx512(const Args& a, float* xp) {
+  if (a.rows16) return rows16_prepare(a, xp);
+  Avx512::prepare_x(a, xp);
+}
 
 void gemv_block_avx512(const Args& a, const float* xp, int64_t n0, int64_t n1) {
+  if (a.rows16) {  // n0, n1: whole 16-row blocks (N % 16 == 0)
+    switch (a.group_size) {
+      case 32: return rows16_blocks<4>(a, xp, n0 / 16, n1 / 16);
+      case 64: return rows16_blocks<8>(a, xp, n0 / 16, n1 / 16);
+      default: return rows16_blocks<16>(a, xp, n0 / 16, n1 / 16);
+    }
+  }
   Avx512Driver::gemv_unit(a, xp, n0, n1);
 }
 

@@ -65,6 +65,7 @@ struct Proj {  // one projection of every expert
   int64_t w_expert_bytes = 0, s_expert_bytes = 0;
 };
 
+
 struct Plan {
   Proj gate, up, down;
   int64_t T = 0, k = 0, E = 0, D = 0, I = 0;
@@ -73,6 +74,7 @@ struct Plan {
   mx::Dtype x_dtype = mx::float32, norm_dtype = mx::float32, scores_dtype = mx::float32;
   bool inds_signed = true;
   bool int8_acts = false;  // the projections' activations quantized to int8 (qmm::Args)
+  bool rows16 = false;     // 4-D weights: each expert in the row-interleaved layout (qmm::Args)
   float eps = 0.f;
   DenseInput x, inds, scores, norm, residual;
   bool has_norm = false, has_residual = false;
@@ -99,6 +101,7 @@ qmm::Args expert_args(const Plan& P, const Proj& p, int64_t e, const float* x, f
   a.s_dtype = P.s_dtype;
   a.w_dtype = P.w_dtype;
   a.int8_acts = P.int8_acts;
+  a.rows16 = P.rows16;
   return a;
 }
 
@@ -109,7 +112,13 @@ struct GemvFns {
 
 // The GEMV pieces of the path's quantized matmul for these bits (int8
 // activations: as quantized_matmul picks its int8 kernel).
-GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts) {
+GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts, bool rows16) {
+  if (rows16) {  // as quantized_matmul runs the layout
+#if defined(MLXFAST_X86)
+    if (path == CpuPath::Avx512) return {qmm::gemv_prepare_avx512, qmm::gemv_block_avx512};
+#endif
+    return {qmm::gemv_prepare_portable, qmm::gemv_block_portable};
+  }
   if (int8_acts) {
 #if defined(MLXFAST_X86)
     if (int8_vnni_on(path)) {
@@ -274,7 +283,7 @@ void run_experts(Plan P) {
     }
   });
 
-  const GemvFns fns = gemv_fns(P.path, P.bits, P.int8_acts);
+  const GemvFns fns = gemv_fns(P.path, P.bits, P.int8_acts, P.rows16);
   const int64_t nL = static_cast<int64_t>(light.size());
   // Light experts' activations in the GEMV layout (per expert; few rows).
   auto prepare = [&](const Proj& p, const float* src, float* dst, const std::vector<int64_t>& off) {
@@ -353,7 +362,8 @@ void run_experts(Plan P) {
 }
 
 void check_proj(const char* op, const char* name, const ExpertWeights& p, int64_t E,
-                int64_t out, int64_t in, int group_size, int bits, mx::Dtype& sdt, bool first) {
+                int64_t out, int64_t in, int group_size, int bits, bool rows16, mx::Dtype& sdt,
+                bool first) {
   std::ostringstream msg;
   if (bits > 0) {
     if (!p.scales) {
@@ -364,8 +374,16 @@ void check_proj(const char* op, const char* name, const ExpertWeights& p, int64_
       msg << name << ": quantized weights must be uint32.";
       fail(op, msg.str());
     }
-    const mx::Shape ws = {static_cast<int>(E), static_cast<int>(out), static_cast<int>(in * bits / 32)};
-    const mx::Shape ss = {static_cast<int>(E), static_cast<int>(out), static_cast<int>(in / group_size)};
+    const int e = static_cast<int>(E), wc = static_cast<int>(in * bits / 32),
+              g = static_cast<int>(in / group_size);
+    const mx::Shape ws = rows16 ? mx::Shape{e, static_cast<int>(out / 16), wc, 16}
+                                : mx::Shape{e, static_cast<int>(out), wc};
+    const mx::Shape ss = rows16 ? mx::Shape{e, static_cast<int>(out / 16), g, 16}
+                                : mx::Shape{e, static_cast<int>(out), g};
+    if (rows16 && out % 16) {
+      msg << name << ": the row-interleaved layout needs rows in multiples of 16, got " << out << ".";
+      fail(op, msg.str());
+    }
     if (p.w.shape() != ws || p.scales->shape() != ss || (p.biases && p.biases->shape() != ss)) {
       msg << name << ": expected w " << ws << " and scales/biases " << ss << " for " << E
           << " experts, out " << out << ", in " << in << ", bits " << bits << ", group_size "
@@ -400,7 +418,7 @@ Proj make_proj(const mx::array& w, const mx::array* sc, const mx::array* bi, int
   Proj p;
   p.w = static_cast<const uint8_t*>(w.data<void>());
   const int64_t E = w.shape(0);
-  p.out = w.shape(1);
+  p.out = static_cast<int64_t>(w.shape(1)) * (w.ndim() == 4 ? 16 : 1);  // 4-D: row-interleaved
   p.in = bits > 0 ? static_cast<int64_t>(w.shape(2)) * 32 / bits : w.shape(2);
   p.w_expert_bytes = E > 0 ? static_cast<int64_t>(w.nbytes()) / E : 0;
   if (sc) {
@@ -520,19 +538,29 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
         << ", inds " << inds.shape() << ", scores " << scores.shape() << ".";
     fail(op, msg.str());
   }
-  if (gate.w.ndim() != 3 || up.w.ndim() != 3 || down.w.ndim() != 3) {
-    fail(op, "expert weights must be 3-D [E, out, in] (stacked).");
+  // 4-D: every expert in the row-interleaved 4-bit layout (ops.pack_rows16).
+  const bool rows16 = gate.w.ndim() == 4;
+  if (rows16) {
+    if (up.w.ndim() != 4 || down.w.ndim() != 4) {
+      fail(op, "the three projections must share a layout (all 3-D, or all 4-D row-interleaved).");
+    }
+    if (bits != 4 || int8_acts) {
+      fail(op, "row-interleaved (4-D) expert weights are 4-bit with fp32 activations.");
+    }
+  } else if (gate.w.ndim() != 3 || up.w.ndim() != 3 || down.w.ndim() != 3) {
+    fail(op, "expert weights must be 3-D [E, out, in] (stacked), or 4-D row-interleaved.");
   }
-  const int64_t D = x_in.shape(-1), E = gate.w.shape(0), I = gate.w.shape(1);
+  const int64_t D = x_in.shape(-1), E = gate.w.shape(0),
+                I = static_cast<int64_t>(gate.w.shape(1)) * (rows16 ? 16 : 1);
   if (bits > 0 && (D % group_size || I % group_size)) {
     msg << "the hidden size " << D << " and the expert size " << I
         << " must be multiples of group_size " << group_size << ".";
     fail(op, msg.str());
   }
   mx::Dtype wdt = mx::float32;
-  check_proj(op, "gate", gate, E, I, D, group_size, bits, wdt, true);
-  check_proj(op, "up", up, E, I, D, group_size, bits, wdt, false);
-  check_proj(op, "down", down, E, D, I, group_size, bits, wdt, false);
+  check_proj(op, "gate", gate, E, I, D, group_size, bits, rows16, wdt, true);
+  check_proj(op, "up", up, E, I, D, group_size, bits, rows16, wdt, false);
+  check_proj(op, "down", down, E, D, I, group_size, bits, rows16, wdt, false);
 
   auto stream = mx::to_stream(s);
   mx::array x = x_in;
@@ -590,7 +618,8 @@ void MoeExperts::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   P.T = P.D > 0 ? static_cast<int64_t>(x.size()) / P.D : 0;
   P.k = inputs[1].shape(-1);
   P.E = w[0]->shape(0);
-  P.I = w[0]->shape(1);
+  P.rows16 = w[0]->ndim() == 4;
+  P.I = static_cast<int64_t>(w[0]->shape(1)) * (P.rows16 ? 16 : 1);
   P.group_size = group_size_;
   P.bits = bits_;
   P.gate = make_proj(*w[0], sc[0], bi[0], bits_, group_size_);

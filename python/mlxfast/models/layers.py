@@ -101,9 +101,10 @@ class QuantizedLinear(nn.Module):
 
 
 def pack_rows16(model: nn.Module) -> int:
-    """Repack the 4-bit projections of ``model`` (QuantizedLinear and
-    QuantizedEmbedding, whose lookup reads it too; fp32 activations, rows a
-    multiple of 16) into the row-interleaved layout
+    """Repack the 4-bit projections of ``model`` (QuantizedLinear,
+    QuantizedEmbedding, whose lookup reads it too, and the MoE experts'
+    stacked ones; fp32 activations, rows a multiple of 16) into the
+    row-interleaved layout
     (``ops.pack_rows16``) where ops run on the CPU's AVX-512 path, whose
     GEMV reads it with 16 rows in the lanes of a vector (csrc/cpu/qmm.h,
     ``Args::rows16``): the same bytes in another order, the layer's calls
@@ -114,7 +115,9 @@ def pack_rows16(model: nn.Module) -> int:
         return 0
     n = 0
     for _, layer in model.named_modules():
-        if (isinstance(layer, (QuantizedLinear, QuantizedEmbedding)) and layer.activations == "fp32"
+        stacked = _packable(layer)
+        if (stacked is not None and layer.activations == "fp32"
+                and layer["weight"].ndim == (3 if stacked else 2)
                 and ops.can_pack_rows16(layer["weight"], layer.bits)):
             _set_weights(layer, ops.pack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
             n += 1
@@ -126,10 +129,23 @@ def unpack_rows16(model: nn.Module) -> int:
     :func:`pack_rows16`); returns how many."""
     n = 0
     for _, layer in model.named_modules():
-        if isinstance(layer, (QuantizedLinear, QuantizedEmbedding)) and layer["weight"].ndim == 3:
-            _set_weights(layer, ops.unpack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
+        stacked = _packable(layer)
+        if stacked is not None and layer["weight"].ndim == (4 if stacked else 3):
+            _set_weights(layer, ops.unpack_rows16(layer["weight"], layer["scales"],
+                                                  layer.get("biases"), stacked=stacked))
             n += 1
     return n
+
+
+def _packable(layer) -> bool | None:
+    """None: a layer pack_rows16 leaves alone; else whether its weights are
+    stacked experts (moe.QuantizedSwitchLinear, which imports this module:
+    known by its ``params``), not one projection."""
+    if isinstance(layer, (QuantizedLinear, QuantizedEmbedding)):
+        return False
+    if hasattr(layer, "params") and hasattr(layer, "bits") and "scales" in layer:
+        return True
+    return None
 
 
 def _set_weights(layer, arrays) -> None:

@@ -158,31 +158,36 @@ ROWS16 = 16
 
 
 def can_pack_rows16(w: mx.array, bits: int) -> bool:
-    """Whether a 2-D MLX-layout w of this width can be packed (4-bit, N % 16 == 0)."""
-    return bits == 4 and w.ndim == 2 and w.shape[0] % ROWS16 == 0 and w.shape[0] > 0
+    """Whether an MLX-layout w of this width can be packed: 4-bit, rows a
+    multiple of 16; 2-D (a projection) or 3-D (stacked experts)."""
+    return bits == 4 and w.ndim in (2, 3) and w.shape[-2] % ROWS16 == 0 and w.shape[-2] > 0
 
 
 def _interleave(a: mx.array) -> mx.array:
-    n, c = a.shape
-    return mx.contiguous(a.reshape(n // ROWS16, ROWS16, c).transpose(0, 2, 1))
+    *lead, n, c = a.shape
+    return mx.contiguous(a.reshape(*lead, n // ROWS16, ROWS16, c).swapaxes(-1, -2))
 
 
 def _deinterleave(a: mx.array) -> mx.array:
-    b, c, _ = a.shape
-    return mx.contiguous(a.transpose(0, 2, 1).reshape(b * ROWS16, c))
+    *lead, b, c, _ = a.shape
+    return mx.contiguous(a.swapaxes(-1, -2).reshape(*lead, b * ROWS16, c))
 
 
 def pack_rows16(w: mx.array, scales: mx.array, biases: mx.array | None):
-    """(w, scales, biases) in the row-interleaved layout (biases None stays None)."""
-    if not can_pack_rows16(w, 4) or scales.ndim != 2 or scales.shape[0] != w.shape[0]:
-        raise ValueError(f"[mlxfast.pack_rows16] needs a 2-D w with rows a multiple of {ROWS16} "
-                         f"and matching 2-D scales, got w {tuple(w.shape)}, scales {tuple(scales.shape)}.")
+    """(w, scales, biases) in the row-interleaved layout (biases None stays
+    None); stacked experts [E, N, K / 8] become [E, N / 16, K / 8, 16]."""
+    if not can_pack_rows16(w, 4) or scales.ndim != w.ndim or scales.shape[:-1] != w.shape[:-1]:
+        raise ValueError(f"[mlxfast.pack_rows16] needs a 2-D or 3-D w with rows a multiple of {ROWS16} "
+                         f"and matching scales, got w {tuple(w.shape)}, scales {tuple(scales.shape)}.")
     return _interleave(w), _interleave(scales), None if biases is None else _interleave(biases)
 
 
-def unpack_rows16(w: mx.array, scales: mx.array, biases: mx.array | None):
-    """The inverse of :func:`pack_rows16`: MLX's layout; arrays already in it pass through."""
-    if w.ndim != 3:
+def unpack_rows16(w: mx.array, scales: mx.array | None, biases: mx.array | None, *,
+                  stacked: bool = False):
+    """The inverse of :func:`pack_rows16`: MLX's layout. A projection's w is
+    packed when 3-D, stacked experts' (``stacked=True``) when 4-D; arrays
+    already in MLX's layout (and dense ones, scales None) pass through."""
+    if scales is None or w.ndim != (4 if stacked else 3):
         return w, scales, biases
     return _deinterleave(w), _deinterleave(scales), None if biases is None else _deinterleave(biases)
 

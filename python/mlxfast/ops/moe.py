@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .. import _ext
 from . import dispatch
-from .matmul import ACTIVATIONS, fake_quantize_activations_int8, symmetric_biases
+from .matmul import ACTIVATIONS, fake_quantize_activations_int8, symmetric_biases, unpack_rows16
 from .norm_rope import rms_norm, rms_norm_reference
 
 
@@ -120,7 +120,7 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array, gate, u
         xe, idx, inv_order = _gather_sort(xe, idx)
 
     def proj(h, p):
-        w, s, b = _weights(p)
+        w, s, b = unpack_rows16(*_weights(p), stacked=True)  # 4-D (row-interleaved): MLX's layout
         if activations == "int8":
             h = fake_quantize_activations_int8(h.astype(mx.float32)).astype(h.dtype)
         if s is not None and b is None:
