@@ -11,7 +11,9 @@ import pytest
 import mlxfast
 from mlxfast import ops
 from mlxfast.kv.dense import DenseKVCache
-from mlxfast.models.layers import QuantizedLinear, pack_rows16, unpack_rows16
+from mlxfast.kv.ssd import weights_fingerprint
+from mlxfast.models.layers import (QuantizedEmbedding, QuantizedLinear, pack_rows16,
+                                   set_matmul_activations, unpack_rows16)
 
 from test_ops_qmm import TOL, make_weights, oracle
 
@@ -62,10 +64,20 @@ def test_dtypes_and_symmetric(path, xdtype, sdtype, symmetric, M):
     check_close(ops.quantized_matmul(x, *p, group_size=32, bits=4), x, wq, s, b, 32)
 
 
+@pytest.mark.skipif(not ops.cpu_supports("avx512"), reason="the AVX-512 GEMM's property")
 @pytest.mark.parametrize("M", [17, 40, 70])
 def test_gemm_is_the_mlx_layout_gemm_bit_for_bit(M):
     """Past the GEMV's rows both layouts dequantize panels to the same
-    values (s * q + b, one rounding) and share the micro-kernel."""
+    values (s * q + b, one rounding) and share the AVX-512 micro-kernel
+    (other paths run the layout in the portable kernel)."""
+    ops.set_cpu_path("avx512")
+    try:
+        _gemm_pairs(M)
+    finally:
+        ops.set_cpu_path("")
+
+
+def _gemm_pairs(M):
     for symmetric in (False, True):
         (wq, s, b), p = packed(96, 576, 32, mx.float16, symmetric)
         x = mx.random.normal((M, 576), key=mx.random.key(M))
@@ -127,7 +139,7 @@ def default_model():
 
 
 def _quantized(model):
-    return [(n, l) for n, l in model.named_modules() if isinstance(l, QuantizedLinear)]
+    return [(n, l) for n, l in model.named_modules() if isinstance(l, (QuantizedLinear, QuantizedEmbedding))]
 
 
 @pytest.mark.skipif(ops.cpu_path() != "avx512", reason="the layout is packed only on the AVX-512 path")
@@ -140,10 +152,13 @@ def test_the_default_model_loads_packed_and_computes_the_same(default_model):
     packed_layers = [n for n, l in layers if l["weight"].ndim == 3]
     assert packed_layers and len(packed_layers) == sum(l.bits == 4 for _, l in layers)
     before = {n: l["weight"] for n, l in layers}
+    fingerprint = weights_fingerprint(m)
     tokens = mx.array([[1, 504, 3457, 28, 253, 1789, 30, 9, 1234, 17]])
     try:
         got = m(tokens, DenseKVCache(len(m.layers)))
         assert unpack_rows16(m) == len(packed_layers)
+        # the SSD namespace and the tensor-parallel check see one model whatever the layout
+        assert weights_fingerprint(m) == fingerprint
         want = m(tokens, DenseKVCache(len(m.layers)))
     finally:
         assert pack_rows16(m) == len(packed_layers)
@@ -151,6 +166,21 @@ def test_the_default_model_loads_packed_and_computes_the_same(default_model):
         assert mx.array_equal(l["weight"], before[n]).item()
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-3).item()
     assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
+
+
+@pytest.mark.skipif(ops.cpu_path() != "avx512", reason="the layout is packed only on the AVX-512 path")
+def test_int8_activations_keep_the_head_packed(default_model):
+    """int8 activations unpack the block projections (their kernels read
+    MLX's layout) and leave the fp32 ones packed; fp32 again repacks all."""
+    m = default_model
+    heads = [l for n, l in _quantized(m) if l.activations == "fp32" and l.bits == 4]
+    try:
+        assert set_matmul_activations(m, "int8") > 0
+        for _, l in _quantized(m):
+            assert (l["weight"].ndim == 3) == (l.activations == "fp32" and l.bits == 4)
+    finally:
+        set_matmul_activations(m, "fp32")
+    assert all(l["weight"].ndim == 3 for l in heads)
 
 
 @pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])

@@ -8,7 +8,6 @@
 #include <thread>
 #include <vector>
 
-#include <sched.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define MLXFAST_PAUSE() _mm_pause()
@@ -60,12 +59,12 @@ int detect_threads() {
 // bench_generate.py, 3 alternating rounds): 84 -> 115 tok/s, 0.93x -> 1.27x
 // llama.cpp; bench/bench_dispatch.py's pooled op 4.7 -> 1.9 us. Yielding
 // every 32nd to 128th spin measured alike, every spin or every 8th worse.
-// With no other thread runnable, sched_yield returns at once.
-constexpr int kYieldEvery = 64;
+// With no other thread runnable, the yield (sched_yield) returns at once.
+constexpr unsigned kYieldEvery = 64;
 
-inline void relax(int spin) {
+inline void relax(unsigned spin) {
   if (spin % kYieldEvery == kYieldEvery - 1) {
-    sched_yield();
+    std::this_thread::yield();
   } else {
     MLXFAST_PAUSE();
   }
@@ -102,7 +101,7 @@ class Pool {
       cv_.notify_all();
     }
     work(job);
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) relax(spin);
+    for (unsigned spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) relax(spin);
   }
 
  private:
@@ -126,7 +125,7 @@ class Pool {
     uint64_t seen = job_number(state_.load());
     for (;;) {
       bool got = false;
-      for (int spin = 0; spin < 20000; ++spin) {
+      for (unsigned spin = 0; spin < 20000; ++spin) {
         if (job_number(state_.load(std::memory_order_acquire)) != seen) {
           got = true;
           break;

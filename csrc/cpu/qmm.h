@@ -153,6 +153,7 @@ constexpr int64_t kInt8GemvMaxRows = 7;
 // layout also fits in.
 inline size_t gemv_prep_floats(const Args& a) {
   auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
+  if (a.rows16) return static_cast<size_t>(up(a.M * a.K + a.M * (a.K / a.group_size) + 16, 16));
   if (!a.int8_acts) return static_cast<size_t>(up((a.M + 1) * a.K, 16));
   const int64_t Kp = up(a.K, 128);
   return static_cast<size_t>(up(a.M * Kp / 4, 16) + a.M * (Kp / 4 + up(a.K / kActBlock, 16)));

@@ -344,7 +344,7 @@ void rows16_blocks(const Args& a, const float* xp, int64_t b0, int64_t b1) {
 }
 
 void rows16_gemv(const Args& a) {
-  float* xp = tl_x.get(static_cast<size_t>(a.M * a.K + a.M * (a.K / a.group_size) + 16));
+  float* xp = tl_x.get(gemv_prep_floats(a));
   rows16_prepare(a, xp);
   const int64_t blocks = a.N / 16;
   auto body = [&a, xp](int64_t b0, int64_t b1) {

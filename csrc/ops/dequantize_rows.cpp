@@ -53,8 +53,9 @@ void run(const uint8_t* w, const void* sc, const void* bi, mx::Dtype sdt, const 
         for (int64_t j = 0; j < D; ++j) o[j] = static_cast<O>(0.f);
         continue;
       }
-      const uint8_t* row = w + id * row_bytes;
-      const uint32_t* block = reinterpret_cast<const uint32_t*>(w) + (id >> 4) * (D / 8) * 16 + (id & 15);
+      const uint8_t* row = rows16 ? nullptr : w + id * row_bytes;
+      const uint32_t* block =
+          rows16 ? reinterpret_cast<const uint32_t*>(w) + (id >> 4) * (D / 8) * 16 + (id & 15) : nullptr;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t p = rows16 ? ((id >> 4) * groups + g) * 16 + (id & 15) : id * groups + g;
         const float s = load(sdt, sc, p);

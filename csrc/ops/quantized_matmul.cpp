@@ -267,6 +267,9 @@ mx::array quantized_matmul_direct(const mx::array& x_in, const mx::array& w_in,
                                   int group_size, int bits, bool int8_acts,
                                   const std::string& path_name) {
   if (x_in.ndim() != 2 || x_in.dtype() != mx::float32) fail("direct: x must be 2-D float32.");
+  if (w_in.ndim() == 3 && (bits != 4 || int8_acts || w_in.shape(2) != 16 || s_in.ndim() != 3)) {
+    fail("direct: a 3-D (row-interleaved) w is 4-bit, fp32 activations, with 3-D scales.");
+  }
   mx::array x = mx::contiguous(x_in), w = mx::contiguous(w_in), sc = mx::contiguous(s_in);
   std::vector<mx::array> ev = {x, w, sc};
   std::optional<mx::array> bi;

@@ -154,17 +154,27 @@ def weights_fingerprint(model) -> str:
     differ; hashing all weights would cost seconds on a large model)."""
     from mlx.utils import tree_flatten
 
+    from ..models.layers import rows16_params
+    from ..ops import rows16_flat_index
+
+    packed = rows16_params(model)  # fingerprinted as in MLX's layout: the same on every CPU path
     h = hashlib.blake2b(digest_size=16)
     for name, p in tree_flatten(model.parameters()):
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        shape = tuple(p.shape)
+        if name in packed:
+            *lead, b, c, r = shape
+            shape = (*lead, b * r, c)
+        h.update(f"{name}:{shape}:{p.dtype}".encode())
         flat = p.reshape(-1)
         if flat.size == 0:
             continue
         if flat.dtype == mx.bfloat16:
             flat = flat.view(mx.uint16)
         step = max(1, flat.size // 256)
-        sample = flat[::step][:256]
-        h.update(np.asarray(sample).tobytes())
+        idx = np.arange(0, flat.size, step)[:256]
+        if name in packed:
+            idx = rows16_flat_index(shape, idx)
+        h.update(np.asarray(flat[mx.array(idx.astype(np.int64))]).tobytes())
     return h.hexdigest()
 
 

@@ -137,6 +137,18 @@ def unpack_rows16(model: nn.Module) -> int:
     return n
 
 
+def rows16_params(model: nn.Module) -> set[str]:
+    """The names (as ``tree_flatten(model.parameters())`` gives them) of the
+    parameters held in the row-interleaved layout."""
+    out = set()
+    for path, layer in model.named_modules():
+        stacked = _packable(layer)
+        if stacked is not None and layer["weight"].ndim == (4 if stacked else 3):
+            prefix = f"{path}." if path else ""
+            out.update(prefix + k for k in ("weight", "scales", "biases") if k in layer)
+    return out
+
+
 def _packable(layer) -> bool | None:
     """None: a layer pack_rows16 leaves alone; else whether its weights are
     stacked experts (moe.QuantizedSwitchLinear, which imports this module:
@@ -280,8 +292,7 @@ def set_matmul_activations(model: nn.Module, mode: str) -> int:
         if missing:
             raise ValueError(f"--matmul-activations int8: {missing}")
     n = 0
-    if mode == "int8":
-        unpack_rows16(model)  # the int8 kernels read MLX's layout
+    unpack_rows16(model)  # the int8 kernels read MLX's layout; fp32 layers are repacked below
     for path, layer in model.named_modules():
         # The quantized projections: QuantizedLinear, QuantizedEmbedding and
         # moe.QuantizedSwitchLinear (which imports this module) carry both.
@@ -291,6 +302,7 @@ def set_matmul_activations(model: nn.Module, mode: str) -> int:
             layer.activations = "int8" if on else "fp32"
             n += on
     model.matmul_activations = mode
+    pack_rows16(model)  # the fp32 layers' layout, where the CPU path reads it
     return n
 
 

