@@ -65,7 +65,6 @@ struct Proj {  // one projection of every expert
   int64_t w_expert_bytes = 0, s_expert_bytes = 0;
 };
 
-
 struct Plan {
   Proj gate, up, down;
   int64_t T = 0, k = 0, E = 0, D = 0, I = 0;

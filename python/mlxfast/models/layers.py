@@ -128,12 +128,10 @@ def unpack_rows16(model: nn.Module) -> int:
     """Every row-interleaved layer of ``model`` back in MLX's layout (see
     :func:`pack_rows16`); returns how many."""
     n = 0
-    for _, layer in model.named_modules():
-        stacked = _packable(layer)
-        if stacked is not None and layer["weight"].ndim == (4 if stacked else 3):
-            _set_weights(layer, ops.unpack_rows16(layer["weight"], layer["scales"],
-                                                  layer.get("biases"), stacked=stacked))
-            n += 1
+    for _, layer, stacked in _packed_layers(model):
+        _set_weights(layer, ops.unpack_rows16(layer["weight"], layer["scales"],
+                                              layer.get("biases"), stacked=stacked))
+        n += 1
     return n
 
 
@@ -141,12 +139,18 @@ def rows16_params(model: nn.Module) -> set[str]:
     """The names (as ``tree_flatten(model.parameters())`` gives them) of the
     parameters held in the row-interleaved layout."""
     out = set()
+    for path, layer, _ in _packed_layers(model):
+        prefix = f"{path}." if path else ""
+        out.update(prefix + k for k in ("weight", "scales", "biases") if k in layer)
+    return out
+
+
+def _packed_layers(model: nn.Module):
+    """(path, layer, stacked) for each layer held in the row-interleaved layout."""
     for path, layer in model.named_modules():
         stacked = _packable(layer)
         if stacked is not None and layer["weight"].ndim == (4 if stacked else 3):
-            prefix = f"{path}." if path else ""
-            out.update(prefix + k for k in ("weight", "scales", "biases") if k in layer)
-    return out
+            yield path, layer, stacked
 
 
 def _packable(layer) -> bool | None:
