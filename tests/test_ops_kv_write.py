@@ -48,8 +48,51 @@ def test_rejects_bad_input():
         ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int32), mx.zeros((1, 3)))
     with pytest.raises(ValueError, match="int32"):
         ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int64), mx.zeros((1, 2)))
-    with pytest.raises(ValueError, match="dtype"):
-        ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int32), mx.zeros((1, 2), mx.float16))
+    with pytest.raises(ValueError, match="dtype"):  # a float pool takes only float values
+        ops.kv_write(mx.zeros((8, 2)), mx.array([0], dtype=mx.int32), mx.zeros((1, 2), mx.int32))
+    with pytest.raises(ValueError, match="dtype"):  # a packed (uint8) pool only its own type
+        ops.kv_write(mx.zeros((8, 2), mx.uint8), mx.array([0], dtype=mx.int32), mx.zeros((1, 2)))
+
+
+FLOATS = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def _hard_values(shape, dtype):
+    """Normal values across many scales, with the cases a conversion gets
+    wrong: ties, float16's subnormals and overflow, infinities, NaN."""
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    x *= np.float32(2.0) ** np.random.default_rng(1).integers(-30, 20, size=shape).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[:8] = [65520.0, 65519.99, 1e-8, -6e-8, np.inf, -np.inf, 1.0 + 2.0 ** -11, 3e-5]
+    return mx.array(x).astype(dtype)
+
+
+@pytest.mark.parametrize("pool_dtype", FLOATS)
+@pytest.mark.parametrize("value_dtype", FLOATS)
+def test_converts_values_as_astype(pool_dtype, value_dtype):
+    """Values of another float type are written as ``astype`` to the pool's
+    would give them, bit for bit (the write stands for astype + write)."""
+    pool = mx.zeros((64, 3, 16), pool_dtype)
+    slots = mx.array([9, 0, 63, 17, 40], dtype=mx.int32)
+    values = _hard_values((5, 3, 16), value_dtype)
+    want = ops.kv_write_reference(mx.array(pool), slots, values.astype(pool_dtype))
+    got = ops.kv_write(pool, slots, values)
+    assert got.dtype == pool_dtype
+    assert np.array_equal(np.array(got.view(mx.uint16 if pool_dtype != mx.float32 else mx.uint32)),
+                          np.array(want.view(mx.uint16 if pool_dtype != mx.float32 else mx.uint32)))
+    nan_pool = ops.kv_write(mx.zeros((4, 2), pool_dtype), mx.array([1], dtype=mx.int32),
+                            mx.array([[float("nan"), 1.0]]).astype(value_dtype))
+    assert np.isnan(np.array(nan_pool[1, 0].astype(mx.float32))) and float(nan_pool[1, 1]) == 1.0
+
+
+def test_pair_converts_values():
+    kp, vp = mx.zeros((32, 3, 8), mx.float16), mx.zeros((32, 3, 8), mx.bfloat16)
+    slots = mx.array([5, 0, 31, 7], dtype=mx.int32)
+    k, v = mx.random.normal((4, 1, 3, 8)) * 100, mx.random.normal((4, 1, 3, 8)) * 1e-3
+    want = ops.kv_write_pair_reference(mx.array(kp), mx.array(vp), slots, k, v)
+    got = ops.kv_write_pair(kp, vp, slots, k, v)
+    assert [g.dtype for g in got] == [mx.float16, mx.bfloat16]
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
 
 
 def test_values_with_leading_axes():

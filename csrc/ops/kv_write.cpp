@@ -5,12 +5,15 @@
 #include <stdexcept>
 
 #include "common/dense_input.h"
+#include "common/half.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 namespace mlxfast {
 
 namespace {
+
+bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
 
 void check(const mx::array& pool, const mx::array& slots, const mx::array& values) {
   std::ostringstream msg;
@@ -24,8 +27,10 @@ void check(const mx::array& pool, const mx::array& slots, const mx::array& value
         << ", values " << values.shape() << ".";
   } else if (slots.dtype() != mx::int32) {
     msg << "[mlxfast.kv_write] slots must be int32.";
-  } else if (values.dtype() != pool.dtype()) {
-    msg << "[mlxfast.kv_write] values must have the pool's dtype.";
+  } else if (values.dtype() != pool.dtype() &&
+             !(is_float(values.dtype()) && is_float(pool.dtype()))) {
+    msg << "[mlxfast.kv_write] values must have the pool's dtype, or both be float32, "
+        << "float16 or bfloat16.";
   }
   if (!msg.str().empty()) throw std::invalid_argument(msg.str());
 }
@@ -33,9 +38,33 @@ void check(const mx::array& pool, const mx::array& slots, const mx::array& value
 struct Write {
   DenseInput src;  // the old pool, when it is copied (not donated)
   DenseInput values;
+  mx::Dtype from = mx::float32, to = mx::float32;  // the values' and the pool's element types
   char* dst;
-  size_t total, row;
+  size_t total, row;  // bytes: the pool, one pool row
 };
+
+float load_float(const void* p, mx::Dtype t, size_t i) {
+  if (t == mx::float32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return t == mx::float16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+// One row of `n` values converted to the pool's type, rounding to nearest
+// even as astype does (the write then stands for astype + write: one
+// primitive instead of three per layer).
+void store_row(const Write& w, const void* src, size_t first, size_t n, char* dst) {
+  if (w.to == mx::float32) {
+    float* d = reinterpret_cast<float*>(dst);
+    for (size_t i = 0; i < n; ++i) d[i] = load_float(src, w.from, first + i);
+  } else {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    const bool f16 = w.to == mx::float16;
+    for (size_t i = 0; i < n; ++i) {
+      const float f = load_float(src, w.from, first + i);
+      d[i] = f16 ? f32_to_f16(f) : f32_to_bf16(f);
+    }
+  }
+}
 
 } // namespace
 
@@ -89,6 +118,8 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       w.src = dense_input(pool, enc);
     }
     w.values = dense_input(inputs[n + 1 + i], enc);
+    w.from = inputs[n + 1 + i].dtype();
+    w.to = pool.dtype();
     w.dst = out.data<char>();
     w.total = out.nbytes();
     w.row = pool.shape(0) ? w.total / pool.shape(0) : 0;
@@ -106,10 +137,15 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       }
       w.values.pack();
       const char* v = static_cast<const char*>(w.values.data);
+      const size_t per_row = w.row / mx::size_of(w.to);  // values per pool row
       for (int64_t t = 0; t < T; ++t) {
         int64_t slot = sl[t];
         if (slot < 0 || slot >= num_slots) continue;  // never write outside the pool
-        std::memcpy(w.dst + slot * w.row, v + t * w.row, w.row);
+        if (w.from == w.to) {
+          std::memcpy(w.dst + slot * w.row, v + t * w.row, w.row);
+        } else {
+          store_row(w, v, t * per_row, per_row, w.dst + slot * w.row);
+        }
       }
     }
   });

@@ -23,7 +23,9 @@ namespace mx = mlx::core;
 
 // pool [S, ...]; slots [T] int32; values [..., <pool's trailing shape>] with
 // T rows in its leading axes (e.g. [B, L, H, D] for a [S, H, D] pool), in
-// pool's dtype. Out-of-range slots are skipped.
+// pool's dtype or, for a float pool, another float type (float32, float16,
+// bfloat16): converted as astype would, in the write. Out-of-range slots are
+// skipped.
 mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& values,
                    bool inplace = false, mx::StreamOrDevice s = {});
 

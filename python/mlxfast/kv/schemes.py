@@ -159,11 +159,11 @@ class DenseScheme(KVScheme):
 
     def write(self, layer, slots, k, v):
         # Rebinding the list entries to the results leaves the previous arrays
-        # referenced only by the graph, so the write reuses their buffers.
+        # referenced only by the graph, so the write reuses their buffers. The
+        # write converts k/v to the pool's dtype itself (no astype nodes).
         keys, values = self.keys, self.values
         keys[layer], values[layer] = self._ops.kv_write_pair(
-            keys[layer], values[layer], slots, k.astype(keys[layer].dtype),
-            v.astype(values[layer].dtype), inplace=self.inplace)
+            keys[layer], values[layer], slots, k, v, inplace=self.inplace)
 
     def paged_attention(self, layer, q, block_tables, seq_idx, positions, *, scale, block_size,
                         window=0):

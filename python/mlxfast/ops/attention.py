@@ -12,7 +12,8 @@ from . import dispatch
 
 
 def kv_write_reference(pool: mx.array, slots: mx.array, values: mx.array) -> mx.array:
-    """Pure-MLX ``pool[slots] = values`` (returns the updated pool)."""
+    """Pure-MLX ``pool[slots] = values`` (returns the updated pool; values
+    of another float dtype are cast to the pool's, as indexed assignment does)."""
     pool[slots] = values.reshape(slots.shape[0], *pool.shape[1:])
     return pool
 
@@ -21,9 +22,10 @@ def kv_write(pool: mx.array, slots: mx.array, values: mx.array, *, inplace: bool
              stream=None) -> mx.array:
     """``pool`` with rows ``slots`` replaced by ``values``, as one primitive.
 
-    pool [S, ...], slots [T] int32, values with pool's dtype and trailing
-    shape and T rows in its leading axes (``[T, H, D]`` or ``[B, L, H, D]``
-    for a ``[S, H, D]`` pool). Rebind the pool to the result and keep no
+    pool [S, ...], slots [T] int32, values with pool's trailing shape and T
+    rows in its leading axes (``[T, H, D]`` or ``[B, L, H, D]`` for a
+    ``[S, H, D]`` pool), in pool's dtype or, for a float pool, another of
+    float32/float16/bfloat16 (converted as ``astype`` would, in the write). Rebind the pool to the result and keep no
     other reference to the old one: then the write happens in place (MLX
     donates the buffer); otherwise the pool is copied. Out-of-range slots are
     ignored. ``inplace`` writes in place even when the old pool is still
