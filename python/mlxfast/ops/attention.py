@@ -25,11 +25,11 @@ def kv_write(pool: mx.array, slots: mx.array, values: mx.array, *, inplace: bool
     pool [S, ...], slots [T] int32, values with pool's trailing shape and T
     rows in its leading axes (``[T, H, D]`` or ``[B, L, H, D]`` for a
     ``[S, H, D]`` pool), in pool's dtype or, for a float pool, another of
-    float32/float16/bfloat16 (converted as ``astype`` would, in the write). Rebind the pool to the result and keep no
-    other reference to the old one: then the write happens in place (MLX
-    donates the buffer); otherwise the pool is copied. Out-of-range slots are
-    ignored. ``inplace`` writes in place even when the old pool is still
-    referenced: for a pool several layers write within one graph (see
+    float32/float16/bfloat16 (converted as ``astype`` would, in the write).
+    Rebind the pool to the result and keep no other reference to the old
+    one: then the write happens in place (MLX donates the buffer); otherwise
+    the pool is copied. Out-of-range slots are ignored. ``inplace`` writes
+    in place even when the old pool is still referenced: for a pool several layers write within one graph (see
     csrc/ops/kv_write.h for when that is safe: every pending reader of the old
     version must run before the write, on the CPU stream).
     """
