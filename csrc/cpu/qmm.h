@@ -320,26 +320,6 @@ inline void par(int64_t n, int64_t grain, F& f) {
 
 inline int64_t ceil_div(int64_t a, int64_t b);
 
-// f(u0, u1) over [0, units) in pieces of `step`, handed out dynamically: a
-// thread that is descheduled (busy machine) delays one piece, not half the
-// work. Each pool thread runs one puller loop.
-template <class F>
-inline void par_dynamic(int64_t units, int64_t step, F& f) {
-  if (units <= 0) return;
-  if (step < 1) step = 1;
-  int64_t next = 0;
-  auto puller = [&next, units, step, &f](int64_t, int64_t) {
-    for (;;) {
-      int64_t u = __atomic_fetch_add(&next, step, __ATOMIC_RELAXED);
-      if (u >= units) break;
-      f(u, u + step < units ? u + step : units);
-    }
-  };
-  int64_t pieces = ceil_div(units, step);
-  int64_t tasks = pieces < num_threads() ? pieces : num_threads();
-  par(tasks, 1, puller);
-}
-
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 } // namespace

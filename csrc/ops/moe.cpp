@@ -172,22 +172,12 @@ void silu_mul_block(const float* g, const float* u, float* h, int64_t rows, int6
   }
 }
 
-// f(u) for u in [0, units), handed out `step` at a time to the pool's threads
-// (one puller each): a descheduled thread delays one piece, not a share.
+// f(u) for u in [0, units): par_dynamic's contiguous runs of pieces, a
+// thread's run covering whole experts where it can.
 template <class F>
 void par_units(int64_t units, F&& f) {
-  if (units <= 0) return;
-  const int64_t threads = num_threads();
-  const int64_t step = std::max<int64_t>(1, units / (8 * threads));
-  int64_t next = 0;
-  const int64_t tasks = std::min<int64_t>(threads, (units + step - 1) / step);
-  parallel_for(tasks, 1, [&](int64_t, int64_t) {
-    for (;;) {
-      const int64_t u0 = __atomic_fetch_add(&next, step, __ATOMIC_RELAXED);
-      if (u0 >= units) break;
-      const int64_t u1 = std::min(units, u0 + step);
-      for (int64_t u = u0; u < u1; ++u) f(u);
-    }
+  par_dynamic(units, std::max<int64_t>(1, units / (8 * num_threads())), [&f](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) f(u);
   });
 }
 
