@@ -292,7 +292,7 @@ __attribute__((always_inline)) inline void rows16_tile(const Args& a, const floa
     for (int c = 0; c < kChains; ++c)
       for (int m = 0; m < MM; ++m) d[c][m] = _mm512_setzero_ps();
     for (int j = 0; j < J; ++j) {
-      if (PF) prefetch_weights(w + j + kRows16Ahead);
+      if (PF) prefetch_stream(w + j + kRows16Ahead);
       __m512i v = _mm512_loadu_si512(w + j);
       in_register(v);  // one load, not one folded into each of the 8 shifts
       for (int t = 0; t < 8; ++t) {
