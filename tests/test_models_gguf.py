@@ -60,11 +60,12 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, qtype, tied):
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     assert err < 1e-4, err
     assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
-    # The AVX-512 path's load-time layout (layers.pack_rows16: 4-bit layers,
-    # a tied head's embedding too) computes the same model.
+    # The AVX-512 path's load-time layout (layers.pack_rows16: 4- and 8-bit
+    # layers, a tied head's embedding too) computes the same model.
+    widths = {m.bits for _, m in model.named_modules() if hasattr(m, "bits") and "scales" in m}
     packed_layers = pack_rows16(model)
     if ops.cpu_path() == "avx512":
-        assert (packed_layers > 0) == (qtype in (Q.Q4_0, Q.Q4_1))
+        assert (packed_layers > 0) == bool(widths & {4, 8}), widths
     if packed_layers:
         assert model.model.embed_tokens["weight"].ndim == 3
         packed = model(TOKENS, DenseKVCache(len(model.layers)))

@@ -82,10 +82,10 @@ def test_gguf_matches_mlx_lm_on_hf_layout(tmp_path, model_type, per_expert, qtyp
     err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
     assert err < 1e-4, err
     # The AVX-512 path's load-time layout (layers.pack_rows16) packs the
-    # 4-bit experts too, and computes the same model.
+    # 4- and 8-bit experts too, and computes the same model.
     packed_layers = pack_rows16(model)
     if ops.cpu_path() == "avx512":
-        assert (packed_layers > 0) == (qtype in (Q.Q4_0, Q.Q4_1))
+        assert (packed_layers > 0) == (getattr(moe.switch_mlp.gate_proj, "bits", 0) in (4, 8))
     if packed_layers:
         assert moe.switch_mlp.gate_proj["weight"].ndim == 4
         packed = model(tokens, DenseKVCache.for_model(model))

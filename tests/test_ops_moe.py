@@ -319,25 +319,27 @@ def _packed(w, symmetric=False):
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
 @pytest.mark.parametrize("T,k,everyone", [(1, 6, None), (7, 2, None), (40, 3, 2), (64, 2, 2)])
-def test_row_interleaved_experts(path, group_size, symmetric, T, k, everyone):
-    """Experts packed as ops.pack_rows16 does ([E, N/16, K/8, 16], what the
-    loader does on AVX-512) give the reference's result: light experts (the
-    GEMV pieces) and an expert every token chose (the GEMM), symmetric
-    weights, and the same result as the MLX layout within fp32 rounding."""
-    w = experts(4, group_size, seed=T)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_row_interleaved_experts(path, group_size, symmetric, T, k, everyone, bits):
+    """Experts packed as ops.pack_rows16 does ([E, N/16, K * bits/32, 16],
+    what the loader does on AVX-512) give the reference's result: light
+    experts (the GEMV pieces) and an expert every token chose (the GEMM, or
+    for 8 bits the GEMV to 64 rows), symmetric weights, and the same result
+    as the MLX layout within fp32 rounding."""
+    w = experts(bits, group_size, seed=T)
     if symmetric:
         w = {n: (p[0], p[1], None) for n, p in w.items()}
     pw = _packed(w, symmetric)
-    assert pw["gate"][0].shape == (E, I // 16, D // 8, 16)
+    assert pw["gate"][0].shape == (E, I // 16, D * bits // 32, 16)
     mx.random.seed(T)
     x = mx.random.normal((T, D))
     inds, scores = routing(T, k, seed=T, everyone=everyone, nobody=5)
     args = (x, inds, scores)
-    got = ops.moe_experts(*args, pw["gate"], pw["up"], pw["down"], group_size=group_size, bits=4)
-    ref = moe_experts_reference(*args, pw["gate"], pw["up"], pw["down"], group_size=group_size, bits=4)
-    std = ops.moe_experts(*args, w["gate"], w["up"], w["down"], group_size=group_size, bits=4)
+    got = ops.moe_experts(*args, pw["gate"], pw["up"], pw["down"], group_size=group_size, bits=bits)
+    ref = moe_experts_reference(*args, pw["gate"], pw["up"], pw["down"], group_size=group_size, bits=bits)
+    std = ops.moe_experts(*args, w["gate"], w["up"], w["down"], group_size=group_size, bits=bits)
     assert mx.array_equal(ref, moe_experts_reference(*args, w["gate"], w["up"], w["down"],
-                                                     group_size=group_size, bits=4)).item()
+                                                     group_size=group_size, bits=bits)).item()
     assert rel_err(got, ref) < TOL[mx.float32] and rel_err(got, std) < TOL[mx.float32]
 
 
@@ -359,6 +361,6 @@ def test_row_interleaved_experts_bad_input():
     inds, scores = routing(3, 2)
     with pytest.raises(ValueError, match="share a layout"):
         ops.moe_experts(x, inds, scores, pw["gate"], w["up"], pw["down"], group_size=32, bits=4)
-    with pytest.raises(ValueError, match="4-bit with fp32 activations"):
+    with pytest.raises(ValueError, match="4- or 8-bit with fp32 activations"):
         ops.moe_experts(x, inds, scores, pw["gate"], pw["up"], pw["down"], group_size=32, bits=4,
                         activations="int8")

@@ -1,4 +1,4 @@
-"""The row-interleaved 4-bit layout (ops.pack_rows16): the AVX-512 GEMV's
+"""The row-interleaved layout (ops.pack_rows16, 4- and 8-bit): the AVX-512 GEMV's
 layout, a load-time repack of MLX's. Oracle and tolerances as in
 test_ops_qmm.py (dequantize with MLX, fp32 matmul, error against |x| @ |W|.T);
 every CPU path this machine runs is forced in turn (AVX-512 runs its own
@@ -18,22 +18,26 @@ from mlxfast.models.layers import (QuantizedEmbedding, QuantizedLinear, pack_row
 from test_ops_qmm import TOL, make_weights, oracle
 
 
-def packed(N, K, gs, sdtype, symmetric=False, seed=0):
-    wq, s, b = make_weights(N, K, gs, 4, sdtype, seed)
+BITS = [4, 8]
+
+
+def packed(N, K, gs, sdtype, symmetric=False, seed=0, bits=4):
+    wq, s, b = make_weights(N, K, gs, bits, sdtype, seed)
     b = None if symmetric else b
     return (wq, s, b), ops.pack_rows16(wq, s, b)
 
 
-def check_close(got, x, wq, s, b, gs):
-    ref, scale = oracle(x, wq, s, ops.symmetric_biases(s, 4) if b is None else b, gs, 4)
+def check_close(got, x, wq, s, b, gs, bits=4):
+    ref, scale = oracle(x, wq, s, ops.symmetric_biases(s, bits) if b is None else b, gs, bits)
     assert got.dtype == x.dtype and got.shape == ref.shape
     worst = (mx.abs(got.astype(mx.float32) - ref) / (scale + 1e-30)).max().item()
     assert np.isfinite(worst) and worst <= TOL[x.dtype], worst
 
 
-def test_pack_is_a_reordering_and_unpack_undoes_it():
-    (wq, s, b), (pw, ps, pb) = packed(48, 256, 64, mx.float16)
-    assert pw.shape == (3, 32, 16) and ps.shape == (3, 4, 16) and pb.shape == (3, 4, 16)
+@pytest.mark.parametrize("bits", BITS)
+def test_pack_is_a_reordering_and_unpack_undoes_it(bits):
+    (wq, s, b), (pw, ps, pb) = packed(48, 256, 64, mx.float16, bits=bits)
+    assert pw.shape == (3, 256 * bits // 32, 16) and ps.shape == (3, 4, 16) and pb.shape == (3, 4, 16)
     # word (blk, j, r) is word j of row 16 * blk + r
     assert pw[1, 5, 7].item() == wq[16 + 7, 5].item()
     assert ps[2, 3, 15].item() == s[47, 3].item()
@@ -46,22 +50,24 @@ SHAPES = [(N, K, gs) for N, K in [(16, 32), (48, 576), (96, 1536), (32, 4096)]
           for gs in (32, 64, 128) if K % gs == 0]
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("N,K,gs", SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 40])
-def test_matches_the_oracle(path, N, K, gs, M):
-    (wq, s, b), p = packed(N, K, gs, mx.float16, seed=M)
+def test_matches_the_oracle(path, N, K, gs, M, bits):
+    (wq, s, b), p = packed(N, K, gs, mx.float16, seed=M, bits=bits)
     x = mx.random.normal((M, K), key=mx.random.key(M))
-    check_close(ops.quantized_matmul(x, *p, group_size=gs, bits=4), x, wq, s, b, gs)
+    check_close(ops.quantized_matmul(x, *p, group_size=gs, bits=bits), x, wq, s, b, gs, bits)
 
 
 @pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
 @pytest.mark.parametrize("M", [1, 7, 24])
-def test_dtypes_and_symmetric(path, xdtype, sdtype, symmetric, M):
-    (wq, s, b), p = packed(64, 320, 32, sdtype, symmetric)
+@pytest.mark.parametrize("bits", BITS)
+def test_dtypes_and_symmetric(path, xdtype, sdtype, symmetric, M, bits):
+    (wq, s, b), p = packed(64, 320, 32, sdtype, symmetric, bits=bits)
     x = mx.random.normal((M, 320), key=mx.random.key(3)).astype(xdtype)
-    check_close(ops.quantized_matmul(x, *p, group_size=32, bits=4), x, wq, s, b, 32)
+    check_close(ops.quantized_matmul(x, *p, group_size=32, bits=bits), x, wq, s, b, 32, bits)
 
 
 @pytest.mark.skipif(not ops.cpu_supports("avx512"), reason="the AVX-512 GEMM's property")
@@ -78,22 +84,27 @@ def test_gemm_is_the_mlx_layout_gemm_bit_for_bit(M):
 
 
 def _gemm_pairs(M):
-    for symmetric in (False, True):
-        (wq, s, b), p = packed(96, 576, 32, mx.float16, symmetric)
-        x = mx.random.normal((M, 576), key=mx.random.key(M))
-        got = ops.quantized_matmul(x, *p, group_size=32, bits=4)
-        assert mx.array_equal(got, ops.quantized_matmul(x, wq, s, b, group_size=32, bits=4)).item()
+    for bits in BITS:
+        if bits == 8 and M <= 64:  # 8-bit weights stay on the GEMV to 64 rows (qmm.h, kGemvMaxRows8)
+            continue
+        for symmetric in (False, True):
+            (wq, s, b), p = packed(96, 576, 32, mx.float16, symmetric, bits=bits)
+            x = mx.random.normal((M, 576), key=mx.random.key(M))
+            got = ops.quantized_matmul(x, *p, group_size=32, bits=bits)
+            want = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=bits)
+            assert mx.array_equal(got, want).item(), (bits, symmetric)
 
 
 @pytest.mark.parametrize("gs", [32, 128])
-def test_gemv_rows_do_not_depend_on_their_batch(path, gs):
+@pytest.mark.parametrize("bits", BITS)
+def test_gemv_rows_do_not_depend_on_their_batch(path, gs, bits):
     """A row's output is bit-identical alone and among up to 16 others:
     each activation row's sums run in one order whatever the tile."""
-    _, p = packed(64, 512, gs, mx.float16)
+    _, p = packed(64, 512, gs, mx.float16, bits=bits)
     x = mx.random.normal((16, 512), key=mx.random.key(9))
-    alone = [ops.quantized_matmul(x[i:i + 1], *p, group_size=gs, bits=4) for i in range(16)]
+    alone = [ops.quantized_matmul(x[i:i + 1], *p, group_size=gs, bits=bits) for i in range(16)]
     for M in range(2, 17):
-        got = ops.quantized_matmul(x[:M], *p, group_size=gs, bits=4)
+        got = ops.quantized_matmul(x[:M], *p, group_size=gs, bits=bits)
         for i in range(M):
             assert mx.array_equal(got[i:i + 1], alone[i]).item(), (M, i)
 
@@ -122,7 +133,9 @@ def test_bad_input():
     x = mx.ones((1, 128))
     with pytest.raises(ValueError, match="int8 activations need w in MLX's layout"):
         ops.quantized_matmul(x, pw, ps, pb, group_size=32, bits=4, activations="int8")
-    with pytest.raises(ValueError, match="4-bit only"):
+    with pytest.raises(ValueError, match="4- or 8-bit only"):
+        ops.quantized_matmul(x, pw, ps, pb, group_size=32, bits=6)
+    with pytest.raises(ValueError, match="shape mismatch"):  # 4-bit words read as 8-bit
         ops.quantized_matmul(x, pw, ps, pb, group_size=32, bits=8)
     with pytest.raises(ValueError, match="scales and biases must be"):
         ops.quantized_matmul(x, pw, ps, pb, group_size=64, bits=4)
@@ -130,7 +143,8 @@ def test_bad_input():
         ops.quantized_matmul(x, pw, s, b, group_size=32, bits=4)
     with pytest.raises(ValueError, match="multiple of 16"):
         ops.pack_rows16(wq[:24], s[:24], b[:24])
-    assert not ops.can_pack_rows16(wq, 8) and not ops.can_pack_rows16(wq[:8], 4)
+    assert ops.can_pack_rows16(wq, 8) and not ops.can_pack_rows16(wq, 6)
+    assert not ops.can_pack_rows16(wq[:8], 4)
 
 
 @pytest.fixture(scope="module")
@@ -144,13 +158,15 @@ def _quantized(model):
 
 @pytest.mark.skipif(ops.cpu_path() != "avx512", reason="the layout is packed only on the AVX-512 path")
 def test_the_default_model_loads_packed_and_computes_the_same(default_model):
-    """The loader packs every 4-bit projection on AVX-512; the logits match
+    """The loader packs every 4- and 8-bit projection on AVX-512 (the
+    default model's head is 8-bit, its blocks 4-bit); the logits match
     the same model in MLX's layout (a different fp32 sum order: close, not
     equal), and unpack / pack round-trips the weights exactly."""
     m = default_model
     layers = _quantized(m)
     packed_layers = [n for n, l in layers if l["weight"].ndim == 3]
-    assert packed_layers and len(packed_layers) == sum(l.bits == 4 for _, l in layers)
+    assert packed_layers and len(packed_layers) == sum(l.bits in (4, 8) for _, l in layers)
+    assert {l.bits for _, l in layers if l["weight"].ndim == 3} == {4, 8}
     before = {n: l["weight"] for n, l in layers}
     fingerprint = weights_fingerprint(m)
     tokens = mx.array([[1, 504, 3457, 28, 253, 1789, 30, 9, 1234, 17]])
@@ -173,11 +189,11 @@ def test_int8_activations_keep_the_head_packed(default_model):
     """int8 activations unpack the block projections (their kernels read
     MLX's layout) and leave the fp32 ones packed; fp32 again repacks all."""
     m = default_model
-    heads = [l for n, l in _quantized(m) if l.activations == "fp32" and l.bits == 4]
+    heads = [l for n, l in _quantized(m) if l.activations == "fp32" and l.bits in (4, 8)]
     try:
         assert set_matmul_activations(m, "int8") > 0
         for _, l in _quantized(m):
-            assert (l["weight"].ndim == 3) == (l.activations == "fp32" and l.bits == 4)
+            assert (l["weight"].ndim == 3) == (l.activations == "fp32" and l.bits in (4, 8))
     finally:
         set_matmul_activations(m, "fp32")
     assert all(l["weight"].ndim == 3 for l in heads)
@@ -185,18 +201,19 @@ def test_int8_activations_keep_the_head_packed(default_model):
 
 @pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_embedding_lookup_reads_the_layout(symmetric, dtype):
+@pytest.mark.parametrize("bits", BITS)
+def test_embedding_lookup_reads_the_layout(symmetric, dtype, bits):
     """dequantize_rows (a tied head's embedding lookup) gives the same rows
     bit for bit from either layout; ids outside [0, V) give zeros."""
-    (wq, s, b), p = packed(64, 256, 32, mx.float16, symmetric)
+    (wq, s, b), p = packed(64, 256, 32, mx.float16, symmetric, bits=bits)
     ids = mx.array([[0, 17, 63], [31, -1, 64]])
-    got = ops.dequantize_rows(*p, ids, group_size=32, bits=4, dtype=dtype)
-    want = ops.dequantize_rows(wq, s, b, ids, group_size=32, bits=4, dtype=dtype)
+    got = ops.dequantize_rows(*p, ids, group_size=32, bits=bits, dtype=dtype)
+    want = ops.dequantize_rows(wq, s, b, ids, group_size=32, bits=bits, dtype=dtype)
     assert got.shape == (2, 3, 256) and mx.array_equal(got, want).item()
     assert not mx.any(got[1, 1]).item() and not mx.any(got[1, 2]).item()
-    ref = ops.dequantize_rows_reference(*p, mx.array([0, 17, 63]), group_size=32, bits=4, dtype=dtype)
+    ref = ops.dequantize_rows_reference(*p, mx.array([0, 17, 63]), group_size=32, bits=bits, dtype=dtype)
     assert mx.array_equal(ref, want[0]).item()
     with pytest.raises(ValueError, match=r"scales and biases must be \[V / 16"):
-        ops.dequantize_rows(p[0], s, b, ids, group_size=32, bits=4)
-    with pytest.raises(ValueError, match="row-interleaved layout: 4-bit"):
-        ops.dequantize_rows(p[0], *p[1:], ids, group_size=32, bits=8)
+        ops.dequantize_rows(p[0], s, b, ids, group_size=32, bits=bits)
+    with pytest.raises(ValueError, match="row-interleaved layout: 4- or 8-bit"):
+        ops.dequantize_rows(p[0], *p[1:], ids, group_size=32, bits=6)

@@ -49,20 +49,26 @@ struct Args {
   //   sum over blocks: scale * d * sum(q * xq) + bias * (d * sum(xq)),
   // the integer sums exact (VNNI's vpdpbusd on x86). See run_int8_*.
   bool int8_acts = false;
-  // The row-interleaved layout (bits 4, N % 16 == 0; see rows16_word): w is
-  // [N / 16][K / 8][16] uint32, word (b, j, r) holding values 8j .. 8j+7 of
-  // row 16b + r, and scales / biases are [N / 16][G][16]. A 16-row block then
-  // reads as one stream whose every 64 bytes hold 8 values of each of its 16
-  // rows, so the AVX-512 GEMV puts rows in lanes: no per-group lookup table,
-  // no horizontal sums, one cvtdq2ps per 16 values (see qmm_avx512.cpp).
+  // The row-interleaved layout (bits 4 or 8, N % 16 == 0; see rows16_word):
+  // w is [N / 16][K * bits / 32][16] uint32, word (b, j, r) holding values
+  // vj .. vj+v-1 of row 16b + r (v = 32 / bits values a word), and scales /
+  // biases are [N / 16][G][16]. A 16-row block then reads as one stream
+  // whose every 64 bytes hold v values of each of its 16 rows, so the
+  // AVX-512 GEMV puts rows in lanes: no per-group lookup table, no
+  // horizontal sums, one cvtdq2ps per 16 values (see qmm_avx512.cpp).
   // A load-time repack of MLX's layout (ops.pack_rows16); fp32 activations.
   bool rows16 = false;
 };
 
-// Word j (values 8j .. 8j+7) of row n, and the index of row n's parameter
-// of group g, in the row-interleaved layout (Args::rows16).
+// Word j (values vj .. vj+v-1, v = 32 / bits) of row n, value k of row n,
+// and the index of row n's parameter of group g, in the row-interleaved
+// layout (Args::rows16).
 inline uint32_t rows16_word(const Args& a, int64_t n, int64_t j) {
-  return static_cast<const uint32_t*>(a.w)[((n >> 4) * (a.K >> 3) + j) * 16 + (n & 15)];
+  return static_cast<const uint32_t*>(a.w)[((n >> 4) * (a.K * a.bits / 32) + j) * 16 + (n & 15)];
+}
+inline uint32_t rows16_code(const Args& a, int64_t n, int64_t k) {
+  const int64_t v = 32 / a.bits;
+  return (rows16_word(a, n, k / v) >> (a.bits * (k % v))) & ((1u << a.bits) - 1u);
 }
 inline int64_t rows16_param(const Args& a, int64_t n, int64_t g) {
   return ((n >> 4) * (a.K / a.group_size) + g) * 16 + (n & 15);

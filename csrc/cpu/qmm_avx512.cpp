@@ -220,10 +220,10 @@ void gemv_tiles_sym(const GemvCtx& c, int64_t m0, int64_t n0, int64_t n1, const 
 // ------------------------------------------------------ rows16 GEMV ----
 //
 // The row-interleaved layout (Args::rows16): lane r of a 64-byte word holds
-// 8 values of row 16b + r, so 16 rows run in the lanes of one vector, and
-// per group
+// 8 (4-bit) or 4 (8-bit) values of row 16b + r, so 16 rows run in the lanes
+// of one vector, and per group
 //   y[m][rows] += s[g][rows] * sum_k q[k][rows] * x[m][k] + b[g][rows] * sum_k x[m][k]
-// (MLX's own qmv form): each 4-bit value is masked, converted with one
+// (MLX's own qmv form): each value is masked, converted with one
 // cvtdq2ps and multiplied by a broadcast x, the scales and biases are one
 // vector per group, and the 16 sums are the output: no per-group lookup
 // table, no vpermps (the shuffle unit bound the MLX-layout tile), no
@@ -244,15 +244,19 @@ constexpr int kChains = 2;
 // 1.12-1.17x without.
 constexpr int kRows16Ahead = 64;
 
-// x as fp32 rows [M][K], value k scaled by 2^-4(k % 8) (k % 8 < 7; see
-// rows16_tile), then each row's group sums of the unscaled x [M][G] (fixed
-// order).
-inline void rows16_prepare(const Args& a, float* xp) {
+// x as fp32 rows [M][K], value k scaled by 2^-b(k % v) (b = BITS, v =
+// 32 / BITS values a word; the word's last value unscaled: see rows16_tile),
+// then each row's group sums of the unscaled x [M][G] (fixed order).
+template <int BITS>
+void rows16_prepare_bits(const Args& a, float* xp) {
   const int64_t M = a.M, K = a.K, gs = a.group_size, G = K / gs;
   float* sx = xp + M * K;
-  const __m512 pow2 = _mm512_setr_ps(1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
-                                     0x1p-24f, 1.f, 1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f,
-                                     0x1p-20f, 0x1p-24f, 1.f);
+  const __m512 pow2 = BITS == 4 ? _mm512_setr_ps(1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
+                                                 0x1p-24f, 1.f, 1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f,
+                                                 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f)
+                                : _mm512_setr_ps(1.f, 0x1p-8f, 0x1p-16f, 1.f, 1.f, 0x1p-8f, 0x1p-16f,
+                                                 1.f, 1.f, 0x1p-8f, 0x1p-16f, 1.f, 1.f, 0x1p-8f,
+                                                 0x1p-16f, 1.f);
   for (int64_t m = 0; m < M; ++m) {
     float* row = xp + m * K;
     for (int64_t g = 0; g < G; ++g) {
@@ -267,45 +271,54 @@ inline void rows16_prepare(const Args& a, float* xp) {
   }
 }
 
+inline void rows16_prepare(const Args& a, float* xp) {
+  if (a.bits == 8) return rows16_prepare_bits<8>(a, xp);
+  rows16_prepare_bits<4>(a, xp);
+}
+
 // Output columns 16 * blk .. +16 of activation rows m0 .. m0+MM-1. J: words
-// per group (group size / 8), a compile-time count as CPG is for gemv_tile.
-template <int J, int MM, bool PF>
+// per group (group size * BITS / 32), a compile-time count as CPG is for
+// gemv_tile.
+template <int BITS, int J, int MM, bool PF>
 __attribute__((always_inline)) inline void rows16_tile(const Args& a, const float* xp,
                                                        int64_t blk, int64_t m0) {
+  constexpr int V = 32 / BITS;  // values a word
   const int64_t K = a.K, G = K / a.group_size;
   const float* x = xp + m0 * K;
   const float* sx = xp + a.M * K + m0 * G;
-  // Value t of a word is masked in place, (v & 15 << 4t) = q * 2^4t, and
-  // converted exactly (< 2^31); the x it meets was scaled by 2^-4t, so the
+  // Value t of a word is masked in place, (v & m << bt) = q * 2^bt, and
+  // converted exactly (< 2^31); the x it meets was scaled by 2^-bt, so the
   // product is q * x exactly as with a shifted q (the FMA's rounding is the
-  // same) while the shift is saved: 7 masks and a shift per word instead
-  // of 7 shifts and 7 masks (a standalone copy of the loop: 1.40 -> 1.18 ns
-  // per 32 weights and row). Only |x| < 2^-102 would lose bits.
-  __m512i mask[7];
-  for (int t = 0; t < 7; ++t) mask[t] = _mm512_set1_epi32(15 << (4 * t));
-  const __m512i* w = reinterpret_cast<const __m512i*>(a.w) + blk * (K / 8);
+  // same) while the shift is saved: V - 1 masks and a shift per word
+  // instead of V - 1 shifts and V - 1 masks (4-bit, a standalone copy of
+  // the loop: 1.40 -> 1.18 ns per 32 weights and row). Only |x| < 2^-102
+  // would lose bits. The last value is shifted down (q << 28 or q << 24
+  // could reach 2^31).
+  __m512i mask[V - 1];
+  for (int t = 0; t < V - 1; ++t) mask[t] = _mm512_set1_epi32(((1 << BITS) - 1) << (BITS * t));
+  const __m512i* w = reinterpret_cast<const __m512i*>(a.w) + blk * (K * BITS / 32);
   const int64_t p0 = blk * G * 16;
   __m512 acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, w += J, x += 8 * J) {
+  for (int64_t g = 0; g < G; ++g, w += J, x += V * J) {
     __m512 d[kChains][MM];
     for (int c = 0; c < kChains; ++c)
       for (int m = 0; m < MM; ++m) d[c][m] = _mm512_setzero_ps();
     for (int j = 0; j < J; ++j) {
       if (PF) prefetch_stream(w + j + kRows16Ahead);
       __m512i v = _mm512_loadu_si512(w + j);
-      in_register(v);  // one load, not one folded into each of the 8 shifts
-      for (int t = 0; t < 8; ++t) {
-        const __m512 q = _mm512_cvtepi32_ps(t == 7 ? _mm512_srli_epi32(v, 28)
-                                                   : _mm512_and_si512(v, mask[t]));
+      in_register(v);  // one load, not one folded into each of the shifts
+      for (int t = 0; t < V; ++t) {
+        const __m512 q = _mm512_cvtepi32_ps(t == V - 1 ? _mm512_srli_epi32(v, 32 - BITS)
+                                                       : _mm512_and_si512(v, mask[t]));
         for (int m = 0; m < MM; ++m) {
-          d[t % kChains][m] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[m * K + 8 * j + t]), d[t % kChains][m]);
+          d[t % kChains][m] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[m * K + V * j + t]), d[t % kChains][m]);
         }
       }
     }
     const __m512 s = load_cvt(a.scales, a.s_dtype, p0 + g * 16, 0xffff);
     const __m512 b = a.biases ? load_cvt(a.biases, a.s_dtype, p0 + g * 16, 0xffff)
-                              : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(4)));
+                              : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(BITS)));
     for (int m = 0; m < MM; ++m) {
       __m512 sum = d[0][m];
       for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, d[c][m]);
@@ -320,26 +333,42 @@ __attribute__((always_inline)) inline void rows16_tile(const Args& a, const floa
 
 // The first pass over a block prefetches ahead; later passes (activation
 // rows 5..16) find it in L1/L2.
-template <int J, int MM>
+template <int BITS, int J, int MM>
 inline void rows16_pass(const Args& a, const float* xp, int64_t blk, int64_t m0) {
   if (m0 == 0) {
-    rows16_tile<J, MM, true>(a, xp, blk, m0);
+    rows16_tile<BITS, J, MM, true>(a, xp, blk, m0);
   } else {
-    rows16_tile<J, MM, false>(a, xp, blk, m0);
+    rows16_tile<BITS, J, MM, false>(a, xp, blk, m0);
   }
 }
 
-template <int J>
+template <int BITS, int J>
 void rows16_blocks(const Args& a, const float* xp, int64_t b0, int64_t b1) {
   for (int64_t blk = b0; blk < b1; ++blk) {
     for (int64_t m0 = 0; m0 < a.M; m0 += kRows16MM) {
       switch (a.M - m0 < kRows16MM ? a.M - m0 : kRows16MM) {
-        case 1: rows16_pass<J, 1>(a, xp, blk, m0); break;
-        case 2: rows16_pass<J, 2>(a, xp, blk, m0); break;
-        case 3: rows16_pass<J, 3>(a, xp, blk, m0); break;
-        default: rows16_pass<J, 4>(a, xp, blk, m0); break;
+        case 1: rows16_pass<BITS, J, 1>(a, xp, blk, m0); break;
+        case 2: rows16_pass<BITS, J, 2>(a, xp, blk, m0); break;
+        case 3: rows16_pass<BITS, J, 3>(a, xp, blk, m0); break;
+        default: rows16_pass<BITS, J, 4>(a, xp, blk, m0); break;
       }
     }
+  }
+}
+
+// Blocks b0 .. b1 for the layer's bits and group size (J = words a group).
+inline void rows16_run_blocks(const Args& a, const float* xp, int64_t b0, int64_t b1) {
+  if (a.bits == 8) {
+    switch (a.group_size) {
+      case 32: return rows16_blocks<8, 8>(a, xp, b0, b1);
+      case 64: return rows16_blocks<8, 16>(a, xp, b0, b1);
+      default: return rows16_blocks<8, 32>(a, xp, b0, b1);
+    }
+  }
+  switch (a.group_size) {
+    case 32: return rows16_blocks<4, 4>(a, xp, b0, b1);
+    case 64: return rows16_blocks<4, 8>(a, xp, b0, b1);
+    default: return rows16_blocks<4, 16>(a, xp, b0, b1);
   }
 }
 
@@ -347,13 +376,7 @@ void rows16_gemv(const Args& a) {
   float* xp = tl_x.get(gemv_prep_floats(a));
   rows16_prepare(a, xp);
   const int64_t blocks = a.N / 16;
-  auto body = [&a, xp](int64_t b0, int64_t b1) {
-    switch (a.group_size) {
-      case 32: rows16_blocks<4>(a, xp, b0, b1); break;
-      case 64: rows16_blocks<8>(a, xp, b0, b1); break;
-      default: rows16_blocks<16>(a, xp, b0, b1); break;
-    }
-  };
+  auto body = [&a, xp](int64_t b0, int64_t b1) { rows16_run_blocks(a, xp, b0, b1); };
   par_dynamic(blocks, blocks / (8 * num_threads()), body);
 }
 
@@ -450,7 +473,7 @@ struct Avx512 {
   template <int BITS>
   static void dequant_panel(const Args& a, int64_t n0, int64_t kb, int64_t ke, float* bp,
                             const float* sb) {
-    if (a.rows16) return dequant_panel_rows16(a, n0, kb, ke, bp);
+    if (a.rows16) return dequant_panel_rows16<BITS>(a, n0, kb, ke, bp);
     const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
     const int64_t row_bytes = K * BITS / 8;
     const int64_t ncols = a.N - n0 < kNR ? a.N - n0 : kNR;
@@ -495,31 +518,33 @@ struct Avx512 {
     }
   }
 
-  // dequant_panel for the row-interleaved layout (Args::rows16, bits 4):
-  // each 16-column half is one row block, its words already hold a k across
-  // the 16 columns, and its scales and biases are a vector per group. The
-  // same values as the MLX-layout panel (s * q + b, one rounding).
+  // dequant_panel for the row-interleaved layout (Args::rows16, bits 4 or
+  // 8): each 16-column half is one row block, its words already hold a k
+  // across the 16 columns, and its scales and biases are a vector per
+  // group. The same values as the MLX-layout panel (s * q + b, one rounding).
+  template <int BITS>
   static void dequant_panel_rows16(const Args& a, int64_t n0, int64_t kb, int64_t ke,
                                    float* bp) {
+    constexpr int V = 32 / BITS;  // values a word
     const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
-    const __m512i m15 = _mm512_set1_epi32(15);
+    const __m512i qmask = _mm512_set1_epi32((1 << BITS) - 1);
     for (int64_t j0 = 0; j0 < kNR; j0 += 16) {
       if (n0 + j0 >= a.N) {  // N % 16 == 0: a missing half is whole
         for (int64_t k = kb; k < ke; ++k) _mm512_storeu_ps(bp + (k - kb) * kNR + j0, _mm512_setzero_ps());
         continue;
       }
       const int64_t blk = (n0 + j0) >> 4;
-      const __m512i* w = reinterpret_cast<const __m512i*>(a.w) + blk * (K / 8);
+      const __m512i* w = reinterpret_cast<const __m512i*>(a.w) + blk * (K * BITS / 32);
       for (int64_t g = kb / gs; g < ke / gs; ++g) {
         const int64_t p = (blk * G + g) * 16;
         const __m512 s = load_cvt(a.scales, a.s_dtype, p, 0xffff);
         const __m512 b = a.biases ? load_cvt(a.biases, a.s_dtype, p, 0xffff)
-                                  : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(4)));
-        for (int64_t j = g * gs / 8; j < (g + 1) * gs / 8; ++j) {
+                                  : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(BITS)));
+        for (int64_t j = g * gs / V; j < (g + 1) * gs / V; ++j) {
           const __m512i v = _mm512_loadu_si512(w + j);
-          float* dst = bp + (8 * j - kb) * kNR + j0;
-          for (int t = 0; t < 8; ++t) {
-            const __m512i qi = _mm512_and_si512(_mm512_srli_epi32(v, 4 * t), m15);
+          float* dst = bp + (V * j - kb) * kNR + j0;
+          for (int t = 0; t < V; ++t) {
+            const __m512i qi = _mm512_and_si512(_mm512_srli_epi32(v, BITS * t), qmask);
             _mm512_storeu_ps(dst + t * kNR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), s, b));
           }
         }
@@ -538,18 +563,15 @@ void gemv_prepare_avx512(const Args& a, float* xp) {
 }
 
 void gemv_block_avx512(const Args& a, const float* xp, int64_t n0, int64_t n1) {
-  if (a.rows16) {  // n0, n1: whole 16-row blocks (N % 16 == 0)
-    switch (a.group_size) {
-      case 32: return rows16_blocks<4>(a, xp, n0 / 16, n1 / 16);
-      case 64: return rows16_blocks<8>(a, xp, n0 / 16, n1 / 16);
-      default: return rows16_blocks<16>(a, xp, n0 / 16, n1 / 16);
-    }
-  }
+  if (a.rows16) return rows16_run_blocks(a, xp, n0 / 16, n1 / 16);  // whole 16-row blocks
   Avx512Driver::gemv_unit(a, xp, n0, n1);
 }
 
 void run_avx512(const Args& a) {
-  if (a.rows16 && a.M <= kGemvMaxRows) return rows16_gemv(a);
+  if (a.rows16) {  // the layout's own GEMV, else the GEMM (the MLX-layout GEMV can't read it)
+    if (a.M <= gemv_max_rows(a.bits)) return rows16_gemv(a);
+    return Avx512Driver::gemm(a);
+  }
   Avx512Driver::run(a);
 }
 

@@ -21,13 +21,13 @@ void dequant_row(const Args& a, int64_t n, float* dst) {
     return;
   }
   const int64_t G = a.K / a.group_size;
-  if (a.rows16) {  // bits 4
+  if (a.rows16) {  // bits 4 or 8
     for (int64_t g = 0; g < G; ++g) {
       const float s = load_f32(a.scales, a.s_dtype, rows16_param(a, n, g));
       const float b = a.biases ? load_f32(a.biases, a.s_dtype, rows16_param(a, n, g))
                                : sym_bias(a.bits) * s;
       for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; ++k) {
-        const uint32_t q = (rows16_word(a, n, k >> 3) >> (4 * (k & 7))) & 0xf;
+        const uint32_t q = rows16_code(a, n, k);
         dst[k] = s * static_cast<float>(q) + b;
       }
     }

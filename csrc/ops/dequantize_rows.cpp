@@ -38,8 +38,9 @@ inline uint32_t code(const uint8_t* row, int64_t j, int bits) {
   return v & ((1u << bits) - 1u);
 }
 
-// rows16: the row-interleaved 4-bit layout (qmm::Args::rows16, ops.pack_rows16):
-// w [V / 16][D / 8][16] uint32, scales and biases [V / 16][G][16].
+// rows16: the row-interleaved layout (qmm::Args::rows16, ops.pack_rows16;
+// bits 4 or 8): w [V / 16][D * bits / 32][16] uint32, scales and biases
+// [V / 16][G][16].
 template <typename O>
 void run(const uint8_t* w, const void* sc, const void* bi, mx::Dtype sdt, const int32_t* ids,
          O* out, int64_t n, int64_t V, int64_t D, int64_t row_bytes, int group_size, int bits,
@@ -55,13 +56,15 @@ void run(const uint8_t* w, const void* sc, const void* bi, mx::Dtype sdt, const 
       }
       const uint8_t* row = rows16 ? nullptr : w + id * row_bytes;
       const uint32_t* block =
-          rows16 ? reinterpret_cast<const uint32_t*>(w) + (id >> 4) * (D / 8) * 16 + (id & 15) : nullptr;
+          rows16 ? reinterpret_cast<const uint32_t*>(w) + (id >> 4) * (D * bits / 32) * 16 + (id & 15) : nullptr;
+      const int vpw = 32 / bits;  // values a rows16 word holds
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t p = rows16 ? ((id >> 4) * groups + g) * 16 + (id & 15) : id * groups + g;
         const float s = load(sdt, sc, p);
         const float z = bi ? load(sdt, bi, p) : s * -static_cast<float>(1 << (bits - 1));
         for (int64_t j = g * group_size; j < (g + 1) * group_size; ++j) {
-          const uint32_t q = rows16 ? (block[(j >> 3) * 16] >> (4 * (j & 7))) & 0xfu : code(row, j, bits);
+          const uint32_t q = rows16 ? (block[(j / vpw) * 16] >> (bits * (j % vpw))) & ((1u << bits) - 1u)
+                                    : code(row, j, bits);
           o[j] = static_cast<O>(s * static_cast<float>(q) + z);
         }
       }
@@ -82,11 +85,11 @@ mx::array dequantize_rows(const mx::array& w, const mx::array& scales,
   if (group_size != 32 && group_size != 64 && group_size != 128)
     fail(op, "group_size must be 32, 64 or 128.");
   const bool rows16 = w.ndim() == 3;  // the row-interleaved layout (ops.pack_rows16)
-  if (rows16 && (bits != 4 || w.shape(2) != 16)) {
-    fail(op, "a 3-D w is the row-interleaved layout: 4-bit, [V / 16, D / 8, 16].");
+  if (rows16 && ((bits != 4 && bits != 8) || w.shape(2) != 16)) {
+    fail(op, "a 3-D w is the row-interleaved layout: 4- or 8-bit, [V / 16, D * bits / 32, 16].");
   }
   if ((w.ndim() != 2 && !rows16) || w.dtype() != mx::uint32) {
-    fail(op, "w must be a uint32 [V, D * bits / 32] array (or [V / 16, D / 8, 16], row-interleaved).");
+    fail(op, "w must be a uint32 [V, D * bits / 32] array (or [V / 16, D * bits / 32, 16], row-interleaved).");
   }
   const int64_t D = static_cast<int64_t>(w.shape(1)) * 32 / bits;
   if (D % group_size != 0) fail(op, "the row length must be a multiple of group_size.");

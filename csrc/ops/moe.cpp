@@ -527,14 +527,14 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
         << ", inds " << inds.shape() << ", scores " << scores.shape() << ".";
     fail(op, msg.str());
   }
-  // 4-D: every expert in the row-interleaved 4-bit layout (ops.pack_rows16).
+  // 4-D: every expert in the row-interleaved layout (ops.pack_rows16; 4- or 8-bit).
   const bool rows16 = gate.w.ndim() == 4;
   if (rows16) {
     if (up.w.ndim() != 4 || down.w.ndim() != 4) {
       fail(op, "the three projections must share a layout (all 3-D, or all 4-D row-interleaved).");
     }
-    if (bits != 4 || int8_acts) {
-      fail(op, "row-interleaved (4-D) expert weights are 4-bit with fp32 activations.");
+    if ((bits != 4 && bits != 8) || int8_acts) {
+      fail(op, "row-interleaved (4-D) expert weights are 4- or 8-bit with fp32 activations.");
     }
   } else if (gate.w.ndim() != 3 || up.w.ndim() != 3 || down.w.ndim() != 3) {
     fail(op, "expert weights must be 3-D [E, out, in] (stacked), or 4-D row-interleaved.");

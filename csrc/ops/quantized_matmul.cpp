@@ -213,11 +213,13 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
   // 3-D: the row-interleaved layout of ops.pack_rows16 (qmm::Args::rows16).
   const bool rows16 = w.ndim() == 3;
   if (rows16) {
-    if (bits != 4) fail("the row-interleaved layout (3-D w) is 4-bit only, got bits=" + std::to_string(bits) + ".");
+    if (bits != 4 && bits != 8) {
+      fail("the row-interleaved layout (3-D w) is 4- or 8-bit only, got bits=" + std::to_string(bits) + ".");
+    }
     if (int8_acts) fail("int8 activations need w in MLX's layout (2-D), not the row-interleaved one.");
     if (w.shape(2) != 16 || scales.ndim() != 3 || biases.ndim() != 3) {
       std::ostringstream m;
-      m << "a row-interleaved w must be [N / 16, K / 8, 16] with scales and biases [N / 16, "
+      m << "a row-interleaved w must be [N / 16, K * bits / 32, 16] with scales and biases [N / 16, "
            "K / group_size, 16], got w " << w.shape() << ", scales " << scales.shape() << ".";
       fail(m.str());
     }

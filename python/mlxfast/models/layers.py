@@ -101,7 +101,7 @@ class QuantizedLinear(nn.Module):
 
 
 def pack_rows16(model: nn.Module) -> int:
-    """Repack the 4-bit projections of ``model`` (QuantizedLinear,
+    """Repack the 4- and 8-bit projections of ``model`` (QuantizedLinear,
     QuantizedEmbedding, whose lookup reads it too, and the MoE experts'
     stacked ones; fp32 activations, rows a multiple of 16) into the
     row-interleaved layout

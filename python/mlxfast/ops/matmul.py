@@ -147,9 +147,10 @@ def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
     return scales * -float(1 << (bits - 1))
 
 
-# The row-interleaved layout (CPU, AVX-512, 4-bit): MLX's w [N, K / 8]
-# uint32 regrouped as [N / 16, K / 8, 16], word (b, j, r) holding values
-# 8j .. 8j+7 of row 16b + r, and scales / biases [N, G] as [N / 16, G, 16].
+# The row-interleaved layout (CPU, AVX-512, 4- or 8-bit): MLX's w [N, C]
+# uint32 (C = K * bits / 32) regrouped as [N / 16, C, 16], word (b, j, r)
+# holding values vj .. vj+v-1 of row 16b + r (v = 32 / bits), and scales /
+# biases [N, G] as [N / 16, G, 16].
 # The AVX-512 GEMV then runs 16 rows in the lanes of a vector over one
 # contiguous stream (see csrc/cpu/qmm.h, Args::rows16). A load-time repack:
 # the same bytes, another order. ``quantized_matmul`` takes it as it takes
@@ -158,9 +159,13 @@ ROWS16 = 16
 
 
 def can_pack_rows16(w: mx.array, bits: int) -> bool:
-    """Whether an MLX-layout w of this width can be packed: 4-bit, rows a
-    multiple of 16; 2-D (a projection) or 3-D (stacked experts)."""
-    return bits == 4 and w.ndim in (2, 3) and w.shape[-2] % ROWS16 == 0 and w.shape[-2] > 0
+    """Whether an MLX-layout w of this width can be packed: 4- or 8-bit,
+    rows a multiple of 16; 2-D (a projection) or 3-D (stacked experts)."""
+    return bits in (4, 8) and _rows16_shape(w)
+
+
+def _rows16_shape(w: mx.array) -> bool:
+    return w.ndim in (2, 3) and w.shape[-2] % ROWS16 == 0 and w.shape[-2] > 0
 
 
 def _interleave(a: mx.array) -> mx.array:
@@ -184,8 +189,9 @@ def rows16_flat_index(shape: tuple, idx):
 
 def pack_rows16(w: mx.array, scales: mx.array, biases: mx.array | None):
     """(w, scales, biases) in the row-interleaved layout (biases None stays
-    None); stacked experts [E, N, K / 8] become [E, N / 16, K / 8, 16]."""
-    if not can_pack_rows16(w, 4) or scales.ndim != w.ndim or scales.shape[:-1] != w.shape[:-1]:
+    None), 4- or 8-bit alike (w is moved a uint32 word at a time); stacked
+    experts [E, N, C] become [E, N / 16, C, 16]."""
+    if not _rows16_shape(w) or scales.ndim != w.ndim or scales.shape[:-1] != w.shape[:-1]:
         raise ValueError(f"[mlxfast.pack_rows16] needs a 2-D or 3-D w with rows a multiple of {ROWS16} "
                          f"and matching scales, got w {tuple(w.shape)}, scales {tuple(scales.shape)}.")
     return _interleave(w), _interleave(scales), None if biases is None else _interleave(biases)
