@@ -388,6 +388,26 @@ def test_proposals_not_drafted_are_still_scored():
     assert taken[0] == 0 and taken[-1] >= 8, taken
 
 
+def test_probes_back_off_while_they_find_nothing():
+    """Prompt lookup builds undrafted steps ahead once two drafting rounds in
+    a row verified nothing; the run of such steps between probes doubles
+    with each fruitless probe, up to PROBE_MAX, and a probe that drafts
+    starts over (a draft model never skips)."""
+    from mlxfast.engine.spec import Drafter
+
+    d = Drafter(8)
+    runs = []
+    for plain in range(6):
+        d.plain_steps = plain
+        runs.append(next(n for n in range(64) if not d.may_skip(n)))
+    every, top = Drafter.PROBE_EVERY, Drafter.PROBE_MAX
+    assert runs[:Drafter.PLAIN_BEFORE_SKIP] == [0] * Drafter.PLAIN_BEFORE_SKIP
+    assert runs[2:] == [min(top, every << i) - 1 for i in range(4)] and runs[-1] == top - 1
+    d.plain_steps = 0
+    assert not d.may_skip(0)
+    assert not Drafter(8, draft_model=object()).may_skip(0)
+
+
 def test_select_takes_the_draft_tokens_that_give_the_most_tokens_per_second():
     c = StepCost()
     for t in range(1, 80):
@@ -699,8 +719,9 @@ def test_the_gguf_drafts_for_its_float32_copy(default_model, tmp_path):
 
 def test_steps_that_draft_nothing_are_built_ahead(model, tok, reference, monkeypatch):
     """While drafting verifies nothing (prose), steps are built ahead (async
-    scheduling) but every fourth still asks the drafter, so drafting resumes
-    once it pays; the tokens are those of decoding without speculation."""
+    scheduling) but some still ask the drafter (every fourth, backing off
+    to every PROBE_MAX-th), so drafting resumes once it pays; the tokens are
+    those of decoding without speculation."""
     monkeypatch.setattr(spec_mod, "NgramProposer", Oracle)
     Oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
     calls = {"n": 0}
@@ -715,9 +736,11 @@ def test_steps_that_draft_nothing_are_built_ahead(model, tok, reference, monkeyp
     assert stats["num_steps_ahead"] >= 6  # rounds 3-5 were each followed by steps built ahead
     assert stats["spec_decode"]["num_accepted_tokens"] > 0  # drafting resumed
     assert calls["n"] > 5
-    # with drafting off for good, at most three steps in four are built ahead
+    # with drafting off for good, more than three steps in four are built
+    # ahead once the probes back off, never more than PROBE_MAX - 1 in PROBE_MAX
     monkeypatch.setattr(spec_mod, "select", lambda candidates, *a: [0] * len(candidates))
     res, stats = run(model, tok, [Request(PROMPTS[1], greedy(N, ignore_eos=True))])
     assert res[0][0] == reference[1]
-    assert 0.5 * stats["num_steps"] < stats["num_steps_ahead"] <= 0.75 * stats["num_steps"]
+    n = stats["num_steps"]
+    assert 0.75 * n < stats["num_steps_ahead"] <= (1 - 1 / spec_mod.Drafter.PROBE_MAX) * n
     assert stats["spec_decode"]["num_draft_tokens"] == 0
