@@ -104,6 +104,17 @@ constexpr int64_t kGemvMaxRows = 16;
 constexpr int64_t kGemvMaxRows8 = 64;
 inline int64_t gemv_max_rows(int bits) { return bits == 8 ? kGemvMaxRows8 : kGemvMaxRows; }
 
+// The row-interleaved layout's GEMV runs to 32 rows at 4 bits: its tile
+// re-reads a 16-row block from L1 per 4 activation rows, and at 17-32 rows
+// the GEMM's panels are mostly padding (default model's projections, 17
+// rows: 0.33 ms against 0.49-0.85 for gate_up; 24-32 alike or better; 48-64
+// the GEMM's 5-10% better). A speculative step's verify at one stream, or a
+// few streams with drafts, stays on the batch-invariant GEMV.
+constexpr int64_t kRows16GemvMaxRows4 = 32;
+inline int64_t rows16_gemv_max_rows(int bits) {
+  return bits == 8 ? kGemvMaxRows8 : kRows16GemvMaxRows4;
+}
+
 // GEMV software-prefetch distance, in weight rows ahead of the row being
 // read. The hardware streamers alone left one core latency-bound: the 8-bit
 // output head (49152 x 576) ran at ~9 GB/s; prefetching 8 rows ahead took it

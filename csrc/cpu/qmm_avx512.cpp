@@ -569,7 +569,7 @@ void gemv_block_avx512(const Args& a, const float* xp, int64_t n0, int64_t n1) {
 
 void run_avx512(const Args& a) {
   if (a.rows16) {  // the layout's own GEMV, else the GEMM (the MLX-layout GEMV can't read it)
-    if (a.M <= gemv_max_rows(a.bits)) return rows16_gemv(a);
+    if (a.M <= rows16_gemv_max_rows(a.bits)) return rows16_gemv(a);
     return Avx512Driver::gemm(a);
   }
   Avx512Driver::run(a);
