@@ -238,10 +238,11 @@ constexpr int kRows16MM = 4;  // activation rows per pass over a block
 // FMA chains per activation row (values t % kChains of a word): 4 measured
 // as 2 at one row, in L2.
 constexpr int kChains = 2;
-// Software prefetch (first pass over a block only), in words (64 bytes)
-// ahead: 4 KB. The default model's 120 GEMVs of a step from DRAM, 2 threads,
-// alternating with the MLX-layout tile: 1.28-1.35x its speed with it,
-// 1.12-1.17x without.
+// Software prefetch (first pass over a block only; prefetch_stream, into
+// L1), in words (64 bytes) ahead: 4 KB. The default model's 120 GEMVs of a
+// step from DRAM, 2 threads, alternating with the MLX-layout tile: 1.28-1.35x
+// its speed with an L2 prefetch, 1.12-1.17x without; the L1 prefetch took a
+// standalone copy from 23-24 to 28-29 GB/s (2 KB ahead: 24-25, 16 KB: 28).
 constexpr int kRows16Ahead = 64;
 
 // x as fp32 rows [M][K], value k scaled by 2^-b(k % v) (b = BITS, v =
