@@ -242,7 +242,7 @@ constexpr int kChains = 2;
 // L1), in words (64 bytes) ahead: 4 KB. The default model's 120 GEMVs of a
 // step from DRAM, 2 threads, alternating with the MLX-layout tile: 1.28-1.35x
 // its speed with an L2 prefetch, 1.12-1.17x without; the L1 prefetch took a
-// standalone copy from 23-24 to 28-29 GB/s (2 KB ahead: 24-25, 16 KB: 28).
+// standalone copy from 23-24 to 28-29 GB/s (2 KB and 16 KB ahead alike).
 constexpr int kRows16Ahead = 64;
 
 // x as fp32 rows [M][K], value k scaled by 2^-b(k % v) (b = BITS, v =
