@@ -512,6 +512,44 @@ def test_default_model_prompt_lookup_changes_no_token(default_model, stop):
     assert alone[0][2].speculation["accepted"] > 0  # the copy was drafted and taken
 
 
+@pytest.mark.slow
+def test_default_model_logits_do_not_depend_on_the_step(default_model):
+    """A position's logits are bit-identical whether its step computes it
+    alone (a decode step; past 512 keys the attention splits the keys across
+    threads), as one of the k + 1 rows of a verify step, or beside another
+    sequence's prefill rows. Greedy speculation reproduces plain decoding on
+    near-ties only if this holds."""
+    from mlxfast.kv.block_pool import KVPool
+    from mlxfast.kv.paged import PagedContext, SeqSlice
+
+    model, tok = default_model
+    text = " ".join(f"line {i}: the {w} sat by the river." for i, w in enumerate(ASKS * 8))
+    ids = tok.encode(text, add_special_tokens=False)
+    n, k, bs = 700, 12, 16
+    assert len(ids) > n + k + 40
+    nb = -(-(n + k + 64) // bs)
+    pool = KVPool(model.kv_layers, 2 * nb, bs, mx.float16)
+    tables = [[list(range(nb))], [list(range(nb, 2 * nb))]]
+
+    def step(parts, rows):
+        """One forward over (sequence, first position, n tokens) parts; the logits at rows."""
+        toks = [t for s, p0, m in parts for t in ids[p0:p0 + m]]
+        ctx = PagedContext(pool, [SeqSlice(tables[s], p0, m) for s, p0, m in parts])
+        out = model(mx.array(toks)[:, None], ctx, logit_rows=mx.array(rows))
+        mx.eval(out)
+        return out.reshape(len(rows), -1)
+
+    for p0 in range(0, n, 256):
+        step([(0, p0, min(256, n - p0))], [0])
+    step([(1, 0, 40)], [0])
+    alone = [step([(0, n + i, 1)], [0])[0] for i in range(k + 1)]
+    verify = step([(0, n, k + 1)], list(range(k + 1)))
+    beside = step([(1, 40, 30), (0, n + k, 1)], [30])[0]
+    for i in range(k + 1):
+        assert mx.array_equal(verify[i], alone[i]).item(), f"verify row {i}"
+    assert mx.array_equal(beside, alone[k]).item()
+
+
 # ---------------------------------------------------------------- a draft model
 
 

@@ -483,3 +483,60 @@ def test_native_window_validation():
         ops.paged_attention(q, kp, kp, *good, scale=1.0, block_size=8, window=-1)
     with pytest.raises(ValueError, match=r"mlxfast.paged_attention\] window must be >= 0"):
         ops.paged_attention_reference(q, kp, kp, *good, scale=1.0, block_size=8, window=-3)
+
+
+# --- batch invariance ----------------------------------------------------------
+
+
+def _rows_alone(q, kp, vp, table, positions, **kw):
+    """Each position's row computed in a call of its own (T = 1: over a long
+    context, the split decode path)."""
+    out = {}
+    for p in positions:
+        out[p] = ops.paged_attention(q[p][None], kp, vp, mx.array([table]), mx.array([0]),
+                                     mx.array([p]), **kw)[0]
+    return out
+
+
+@native
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 1, 256), (6, 3, 96), (16, 1, 64)])
+@pytest.mark.parametrize("window", [0, 300])
+def test_native_rows_are_batch_invariant(path, Hq, Hkv, D, window):
+    """A row's output is bit-identical however its step is made up: alone (a
+    decode row; the split path over long contexts), as the last of k + 1
+    tokens of its sequence (a speculative verify step, k up to 32), inside a
+    prefill chunk, beside other sequences' rows. Greedy speculative decoding
+    reproduces plain decoding token for token only if this holds."""
+    rng = np.random.default_rng(D + Hq + window)
+    bs, n_pos = 16, 2200
+    nb = n_pos // bs + 2
+    table = [int(b) for b in rng.permutation(nb)]
+    kp = mx.array(rng.standard_normal((nb * bs, Hkv, D)).astype(np.float16))
+    vp = mx.array(rng.standard_normal((nb * bs, Hkv, D)).astype(np.float16))
+    q = mx.array((rng.standard_normal((n_pos, Hq, D)) * 2).astype(np.float32))
+    kw = dict(scale=D ** -0.5, block_size=bs, window=window)
+
+    def call(parts):
+        """One step over sequences given as (table, first position, n tokens);
+        returns {(part index, position): row}."""
+        tables = [t for t, _, _ in parts]
+        seq = np.concatenate([np.full(n, i, np.int32) for i, (_, _, n) in enumerate(parts)])
+        pos = np.concatenate([np.arange(p0, p0 + n, dtype=np.int32) for _, p0, n in parts])
+        out = ops.paged_attention(q[mx.array(pos)], kp, vp, mx.array(tables), mx.array(seq),
+                                  mx.array(pos), **kw)
+        return {(int(s), int(p)): out[i] for i, (s, p) in enumerate(zip(seq, pos))}
+
+    for p in (40, 700, 2150):
+        targets = [p - 5, p - 1, p]
+        alone = _rows_alone(q, kp, vp, table, targets, **kw)
+        steps = [[(table, p - k, k + 1)] for k in (1, 2, 4, 5, 8, 15, 16, 32)]
+        steps.append([(table, max(0, p - 20), min(p, 20) + 10)])                 # prefill chunk
+        steps.append([(table, 0, 37), (table, p, 1), (table, 1000, 9)])           # mixed batch
+        steps.append([(table, 300 + 97 * i, 1) for i in range(7)] + [(table, p, 1)])  # decode batch
+        for parts in steps:
+            got = call(parts)
+            for (s, pos), row in got.items():
+                if pos in alone:
+                    assert mx.array_equal(row, alone[pos]).item(), (
+                        f"position {pos} of {[(p0, n) for _, p0, n in parts]} differs from "
+                        f"the row alone by {mx.abs(row - alone[pos]).max().item()}")

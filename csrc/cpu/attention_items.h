@@ -27,13 +27,9 @@ struct ItemCtx {
   const Item* items;
 };
 
-inline bool prefill_tile(const Args& a, int64_t t0, int64_t t1) {
-  return (t1 - t0) * (a.Hq / a.Hkv) >= 16;
-}
-
-// Builds the call's items (tiles alternating light and heavy; a decode tile
-// of nq tokens in groups of heads_per_item(a, nq) kv heads, smaller groups
-// where the call would have fewer items than threads: one short row) and
+// Builds the call's items (tiles alternating light and heavy; a tile of nq
+// tokens in groups of heads_per_item(a, nq) kv heads, smaller groups where
+// the call would have fewer items than threads: one short row) and
 // runs fn over them on the pool, with an ItemCtx.
 template <class HeadsFn>
 void run_items(const Args& a, HeadsFn heads_per_item, RangeFn fn) {
@@ -44,7 +40,7 @@ void run_items(const Args& a, HeadsFn heads_per_item, RangeFn fn) {
   int64_t n = 0;
   for (int64_t i = 0; i < nt; ++i) {
     const int64_t ti = interleaved_tile(i, nt), t0 = tiles[ti], t1 = tiles[ti + 1];
-    int step = prefill_tile(a, t0, t1) ? 1 : heads_per_item(a, static_cast<int>(t1 - t0));
+    int step = heads_per_item(a, static_cast<int>(t1 - t0));
     while (step > 1 && nt * ((a.Hkv + step - 1) / step) < threads) --step;
     for (int kh = 0; kh < a.Hkv; kh += step) {
       items[n++] = Item{t0, t1, kh, kh + step < a.Hkv ? kh + step : a.Hkv};

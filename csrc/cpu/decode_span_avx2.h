@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common/scratch.h"
+#include "cpu/span_fold.h"
 #include "cpu/span_seg.h"
 #include "cpu/vec_exp.h"
 
@@ -161,7 +162,7 @@ inline __m256 out_of_range(__m256i kidx, __m256i qpos, __m256i qlo, __m256i vali
 struct DecodeRows {
   int nh, Rh, G, R, span_blocks;
   int64_t spanp;  // a row's score stride in St (one span of keys + slack)
-  float *qf, *St, *acc, *m, *l, *alpha, *kb;
+  float *qf, *St, *acc, *acc_s, *m, *l, *ms, *ls, *alpha, *kb;  // acc_s, ms, ls: a span's own state
   SpanSeg* segs;
   int64_t qpos[16], qlo[16];
 
@@ -169,15 +170,18 @@ struct DecodeRows {
       : nh(nh_), Rh(Rh_), G(G_), R(nh_ * Rh_), span_blocks(bs >= span_keys ? 1 : span_keys / bs) {
     spanp = (static_cast<int64_t>(span_blocks) * bs + 31) / 16 * 16;  // + 16 slack
     const int Rm = ((R > 8 ? R : 8) + 7) & ~7;  // keeps kb 32-byte aligned
-    // qf [R][D], St [R][spanp], acc [R][D], m, l, alpha [Rm], kb [8][D] (the
-    // pool's tile of 8 keys), segs
-    qf = buf.get(static_cast<size_t>(2 * R * D + R * spanp + 3 * Rm + 8 * D) +
+    // qf [R][D], St [R][spanp], acc, acc_s [R][D], m, l, ms, ls, alpha [Rm],
+    // kb [8][D] (the pool's tile of 8 keys), segs
+    qf = buf.get(static_cast<size_t>(3 * R * D + R * spanp + 5 * Rm + 8 * D) +
                  sizeof(SpanSeg) * span_blocks / sizeof(float) + 16);
     St = qf + R * D;
     acc = St + static_cast<size_t>(R) * spanp;
-    m = acc + static_cast<size_t>(R) * D;
+    acc_s = acc + static_cast<size_t>(R) * D;
+    m = acc_s + static_cast<size_t>(R) * D;
     l = m + Rm;
-    alpha = l + Rm;
+    ms = l + Rm;
+    ls = ms + Rm;
+    alpha = ls + Rm;
     kb = alpha + Rm;
     segs = reinterpret_cast<SpanSeg*>(kb + 8 * D);
     for (int r = 0; r < R; ++r) {
@@ -220,15 +224,24 @@ template <int D, class Pool>
 inline void decode_spans(const Pool& pool, const int32_t* table, int bs, int64_t bb, int64_t be,
                          int64_t n_keys, DecodeRows& t) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t b0 = bb; b0 < be; b0 += t.span_blocks) {
+  // Spans on the grid from block 0 (fold_span); blocks before bb are unread.
+  for (int64_t b0 = span_start(bb, t.span_blocks); b0 < be; b0 += t.span_blocks) {
     const int64_t b1 = b0 + t.span_blocks < be ? b0 + t.span_blocks : be;
-    int nseg = 0, n = 0;  // n: scores in the span so far
+    // n: the span's scores so far. A key's score sits at its offset in the
+    // span whichever blocks are read (the sums' lanes follow it); blocks not
+    // read (before bb, or not in the pool) score -inf.
+    int nseg = 0, n = 0;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t blk = table[b];
-      if (!pool.slot_ok(blk)) continue;
-      if (b + 1 < be && pool.slot_ok(table[b + 1])) pool.prefetch(table[b + 1]);
       const int64_t key0 = b * bs;
       const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
+      const int64_t blk = b < bb ? -1 : table[b];
+      if (!pool.slot_ok(blk)) {
+        for (int r = 0; r < t.R; ++r)
+          for (int i = 0; i < nk; ++i) t.St[r * t.spanp + n + i] = -INFINITY;
+        n += nk;
+        continue;
+      }
+      if (b + 1 < be && pool.slot_ok(table[b + 1])) pool.prefetch(table[b + 1]);
       t.segs[nseg++] = SpanSeg{blk * bs, nk, n};
       for (int i0 = 0; i0 < nk; i0 += 8) {
         const int nv = nk - i0 < 8 ? nk - i0 : 8;
@@ -248,12 +261,19 @@ inline void decode_spans(const Pool& pool, const int32_t* table, int bs, int64_t
       }
       n += nk;
     }
-    if (n == 0) continue;
-    span_softmax(t.St, t.spanp, t.R, n, t.m, t.l, t.alpha);
+    if (nseg == 0) continue;
+    for (int r = 0; r < t.R; ++r) {
+      t.ms[r] = -INFINITY;
+      t.ls[r] = 0.f;
+    }
+    std::memset(t.acc_s, 0, sizeof(float) * t.R * D);
+    span_softmax(t.St, t.spanp, t.R, n, t.ms, t.ls, t.alpha);
     for (int hh = 0; hh < t.nh; ++hh) {
       pool.pv(hh, t.segs, nseg, t.St + hh * t.Rh * t.spanp, t.spanp, t.Rh, t.alpha + hh * t.Rh,
-              t.acc + static_cast<size_t>(hh) * t.Rh * D);
+              t.acc_s + static_cast<size_t>(hh) * t.Rh * D);
     }
+    for (int r = 0; r < t.R; ++r)
+      fold_span(t.m[r], t.l[r], t.acc + r * D, t.ms[r], t.ls[r], t.acc_s + r * D, D);
   }
 }
 

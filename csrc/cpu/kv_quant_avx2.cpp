@@ -10,8 +10,8 @@
 // are compile-time. The generic kernel ran scalar max/exp/sum and a rescale
 // per 16-key block with run-time widths: 0.5-0.7x the dense f16 kernel's
 // speed at 8,000 keys for about half its bytes. Prefill items (16 rows or
-// more) take the dense AVX2 prefill tile's key loop (prefill_tile_avx2.h)
-// over keys and values decoded to fp32 per block.
+// more) take the AVX2 prefill tile's key loop (prefill_tile_avx2.h) over
+// keys and values decoded to fp32 per block.
 #include "cpu/kv_quant.h"
 
 #include "common/scratch.h"

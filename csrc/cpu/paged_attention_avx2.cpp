@@ -1,26 +1,25 @@
 // Paged attention compiled with AVX2/FMA/F16C (see paged_attention.h).
 //
-// The register-blocked paths of paged_attention_avx512.cpp with 8-lane
-// vectors and 16 registers, for head dims 64, 128 and 256 (others run the
-// generic kernel):
-//   decode tiles (fewer than 16 query rows), a group of kv heads per work
-//     item: scores for 8 keys at a time per row (8 dot products reduced
-//     together), online softmax per span of kDecodeSpan keys, P.V with the
-//     rows' outputs in registers; a single decode row over a long context is
-//     split across the pool (cpu/split_decode.h).
-//   prefill tiles: cpu/prefill_tile_avx2.h's key loop (S[key][row] =
-//     K . Q^T with Q transposed once per tile; mask, block maximum and exp
-//     across rows), shared with the quantized kernels.
-// Same online softmax as the generic kernel, float32 throughout. Sliding
-// window: keys before a row's window start are masked like future keys, and
-// a tile starts at the block holding its earliest window start (earlier
-// table entries are never read).
+// The register-blocked tile kernel of paged_attention_avx512.cpp with
+// 8-lane vectors and 16 registers, for head dims 64, 128 and 256 (others
+// run the generic kernel), for every tile (decode, verify and prefill rows
+// alike: a row's result never depends on its call, cpu/span_fold.h): a
+// group of kv heads per work item, scores for 8 keys at a time per row (8
+// dot products reduced together), online softmax per span of kDecodeSpan
+// keys on a fixed grid, P.V with the rows' outputs in registers; a single
+// decode row over a long context is split across the pool
+// (cpu/split_decode.h). Prefill attention costs 15-25% more than with the
+// transposed-Q prefill tile this file had (prefill_tile_avx2.h, still the
+// quantized kernels' prefill path), which made a row's result depend on
+// how many tokens its call held. float32 throughout. Sliding window: keys
+// before a row's window start are masked like future keys, and a tile
+// reads from the block holding its earliest window start (earlier table
+// entries are never read).
 #include <immintrin.h>
 
 #include "common/scratch.h"
 #include "cpu/attention_items.h"
 #include "cpu/decode_span_avx2.h"
-#include "cpu/prefill_tile_avx2.h"
 #include "cpu/paged_attention.h"
 #include "cpu/split_decode.h"
 #include "cpu/vec_exp.h"
@@ -45,8 +44,8 @@ struct DenseValues {
   }
 };
 
-// Tiles of fewer than 16 query rows (decode: one token x the kv head's
-// query heads), several kv heads per work item: a slot's K (and V) rows of
+// Tiles of up to 16 tokens, several kv heads per work item (decode: one
+// token x the kv head's query heads per head): a slot's K (and V) rows of
 // all heads are adjacent in the pool ([slot][Hkv][D]), and one item per head
 // read each head's slice of them separately, at a third of the bandwidth
 // with 3 heads (the prefetchers fetch the neighbours' lines, evicted before
@@ -65,8 +64,7 @@ inline int decode_heads_per_item(const Args& a, int nq) {
   return h < 1 ? 1 : (h > a.Hkv ? a.Hkv : h);
 }
 
-// A dense pool's rows of kv heads kh0 .. kh0 + nh - 1 for decode_spans (and
-// of kv head kh0 for prefill_blocks).
+// A dense pool's rows of kv heads kh0 .. kh0 + nh - 1 for decode_spans.
 template <int D, int KV>
 struct DensePool {
   static constexpr int es = KV == F32 ? 4 : 2;
@@ -89,18 +87,6 @@ struct DensePool {
           const float* alpha, float* acc) const {
     pv_rows<D>(DenseValues<KV>{vbase + hh * D * es, row}, segs, nseg, P, 1, sp, Rh, alpha, acc);
   }
-  // prefill_blocks' hooks (one kv head: kh0)
-  void keys4(int64_t slot, int nv, float* kb) const {
-    for (int j = 0; j < 4; ++j)
-      for (int d0 = 0; d0 < D; d0 += 8)
-        _mm256_storeu_ps(kb + j * D + d0, j < nv ? load8<KV>(kbase + (slot + j) * row + d0 * es)
-                                                 : _mm256_setzero_ps());
-  }
-  void pv_block(int64_t blk, int nk, const float* S, int64_t Rp, int R, const float* alpha,
-                float* acc) const {
-    const SpanSeg seg{blk * bs, nk, 0};
-    pv_rows<D>(DenseValues<KV>{vbase, row}, &seg, 1, S, Rp, 1, R, alpha, acc);
-  }
 };
 
 // A decode tile: kv heads [kh0, kh1), blocks [b_begin, b_end) of the context (b_end < 0:
@@ -114,7 +100,7 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
   constexpr int NV = D / 8;
   constexpr int kes = KV == F32 ? 4 : 2;
   const int G = a.Hq / a.Hkv, bs = a.bs, nh = kh1 - kh0;
-  const int nq = static_cast<int>(t1 - t0), Rh = nq * G;  // Rh < 16
+  const int nq = static_cast<int>(t1 - t0), Rh = nq * G;  // rows per head; nq <= kTile
   const size_t qes = a.q_dtype == F32 ? 4 : 2;
   DecodeRows t(tl_buf, D, nh, Rh, G, bs, kDecodeSpan);
   const int32_t s = a.seq_idx[t0];
@@ -148,34 +134,6 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
   std::memcpy(part + t.R * D + t.R, t.l, sizeof(float) * t.R);
 }
 
-// Prefill tiles (at least 16 query rows): prefill_blocks over the dense pool.
-template <int D, int KV>
-void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
-  const int G = a.Hq / a.Hkv, bs = a.bs;
-  const int R = static_cast<int>(t1 - t0) * G;
-  const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = KV == F32 ? 4 : 2;
-  PrefillRows t(tl_buf, D, bs, R, G, t0, a.pos, a.window, a.B * bs - 1);
-  for (int r = 0; r < R; ++r) {
-    const int j = r / G, h = kh * G + r % G;
-    const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
-    alignas(32) float q[D];
-    for (int d0 = 0; d0 < D; d0 += 8)
-      _mm256_store_ps(q + d0, _mm256_mul_ps(load8(qp + d0 * qes, a.q_dtype), _mm256_set1_ps(a.scale)));
-    t.set_query(r, q, D);
-  }
-  const int32_t s = a.seq_idx[t0];
-  if (s >= 0 && s < a.S && t.n_keys > 0) {
-    const int64_t row = static_cast<int64_t>(a.Hkv) * D * kes;
-    const DensePool<D, KV> pool{static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes,
-                                static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * D * kes,
-                                row, a.num_slots, bs, static_cast<int>(D * kes)};
-    // blocks before every window: unread
-    prefill_blocks<D>(pool, a.tables + static_cast<int64_t>(s) * a.B, bs, t.lo_min / bs,
-                      (t.n_keys + bs - 1) / bs, t);
-  }
-  write_rows(a, t0, kh, R, t.acc, t.l);
-}
-
 // Decode items hold several kv heads, for split_decode (cpu/split_decode.h).
 struct Tiles {
   static int heads_per_item(const Args& a) { return decode_heads_per_item(a, 1); }
@@ -200,11 +158,7 @@ void run_range(void* vctx, int64_t i0, int64_t i1) {
   const Args& a = *c.a;
   for (int64_t i = i0; i < i1; ++i) {
     const Item& it = c.items[i];
-    if (prefill_tile(a, it.t0, it.t1)) {
-      tile<D, KV>(a, it.t0, it.t1, it.kh0);
-    } else {
-      decode_tile<D, KV>(a, it.t0, it.t1, it.kh0, it.kh1);
-    }
+    decode_tile<D, KV>(a, it.t0, it.t1, it.kh0, it.kh1);
   }
 }
 

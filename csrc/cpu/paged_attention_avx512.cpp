@@ -1,27 +1,23 @@
 // Paged attention compiled with AVX-512 (see paged_attention.h).
 //
-// Tiles with head dims 64, 128 or 256 take register-blocked paths: prefill
-// tiles (at least 16 query rows: tokens x heads sharing a kv head) and decode
-// tiles (fewer rows); other head dims run the generic kernel.
-//   scores: S[key][row] = K . Q^T with Q transposed once per tile, so each
-//     vector holds 16 query rows of one key (4 keys x up to 3 row vectors
-//     in registers per pass over d). The causal mask, the block maximum and
-//     exp (vectorised: cpu/vec_exp.h) all run
-//     across rows in those vectors.
-//   values: acc[row][:] += P[key][row] * V[key][:], a few rows' accumulators
-//     (a chunk of their columns at head dim 256) in registers per pass over
-//     the block's keys.
-// A decode tile's work item holds a group of kv heads and reads the keys
-// slot by slot (see decode_tile); a single decode row over a long context
-// is split across the pool (cpu/split_decode.h).
-// Same online softmax per block as the generic kernel, float32 throughout.
+// Head dims 64, 128 and 256 take one register-blocked tile kernel,
+// decode_tile, for every tile (a sequence's run of up to 16 tokens): decode
+// rows, speculative verify rows and prefill chunks alike, so that a row's
+// result never depends on the rows it shares a call with (see
+// cpu/span_fold.h); other head dims run the generic kernel. A work item
+// holds a group of kv heads and reads the keys slot by slot; a single decode
+// row over a long context is split across the pool (cpu/split_decode.h).
+// Online softmax per span of keys on a fixed grid, float32 throughout.
 // Sliding window: keys before a row's window start are masked like future
-// keys, and a tile starts at the block holding its earliest window start
-// (earlier table entries are never read).
+// keys, and a tile reads from the block holding its earliest window start
+// (earlier table entries are never read). A separate prefill kernel (Q
+// transposed, 16 rows per vector) measured no faster than decode_tile on
+// 512-2,048-token prefills (default model, a 1B and a GQA-16 shape).
 #include <immintrin.h>
 
 #include "common/scratch.h"
 #include "cpu/paged_attention.h"
+#include "cpu/span_fold.h"
 #include "cpu/attention_items.h"
 #include "cpu/decode_span_avx512.h"
 #include "cpu/reduce_avx512.h"
@@ -45,35 +41,6 @@ inline __m512 load16(const char* p, DType dt) {
   }
 }
 
-// S[i][c*16 ..] for keys i0 .. i0+3 (kb: their rows in fp32, [4][D]) and
-// row vectors c0 .. c0+NC-1; keys past the query's position or before its
-// window start (qlo) get -inf.
-template <int D, int NC>
-inline void qk_keys4(const float* kb, const float* qt, int64_t Rp, int c0, const int32_t* qpos,
-                     const int32_t* qlo, int64_t key, int nvalid, float* S) {
-  __m512 acc[4][NC];
-  for (int j = 0; j < 4; ++j)
-    for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    __m512 qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qt + d * Rp + (c0 + c) * 16);
-    for (int j = 0; j < 4; ++j) {
-      const __m512 kv = _mm512_set1_ps(kb[j * D + d]);
-      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_fmadd_ps(kv, qv[c], acc[j][c]);
-    }
-  }
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int j = 0; j < nvalid; ++j) {
-    const __m512i kidx = _mm512_set1_epi32(static_cast<int>(key + j));
-    for (int c = 0; c < NC; ++c) {
-      const __m512i qp = _mm512_load_si512(qpos + (c0 + c) * 16);
-      const __m512i ql = _mm512_load_si512(qlo + (c0 + c) * 16);
-      const __mmask16 out = _mm512_cmpgt_epi32_mask(kidx, qp) | _mm512_cmplt_epi32_mask(kidx, ql);
-      _mm512_store_ps(S + j * Rp + (c0 + c) * 16, _mm512_mask_mov_ps(acc[j][c], out, ninf));
-    }
-  }
-}
-
 // A dense pool's value rows (fp32, fp16 or bf16).
 struct DenseValues {
   const char* vbase;
@@ -87,10 +54,9 @@ struct DenseValues {
   }
 };
 
-// Tiles of fewer than 16 query rows per kv head (decode: one token x the
-// kv head's query heads), a group of kv heads per work item: scores for 16
-// keys at a time per row (16 dot products reduced together), then softmax
-// and P.V with the rows' outputs in registers. A slot's K and V rows of all
+// The tile kernel, a group of kv heads per work item: scores for 16 keys at
+// a time per row (16 dot products reduced together), then softmax and P.V
+// with the rows' outputs in registers. A slot's K and V rows of all
 // heads are adjacent in the pool ([slot][Hkv][D]); an item per head read
 // each head's slice of every slot on its own, a strided pattern that DRAM
 // served at a third of a linear read (a standalone read of 3 heads x 64
@@ -101,10 +67,9 @@ struct DenseValues {
 // the hardware prefetchers follow, and a prefetch of the next block's rows
 // (K and V, every line) was bound by the L1's miss buffers (default model,
 // 8,000 tokens, engine decode: 36-41 tok/s with it, 47 without). Online
-// softmax runs per span of
-// kDecodeSpan keys, not per block: at the engine's 16-token blocks a
-// per-block pass spent as much on the max/exp/sum reductions and the
-// accumulator rescale as on the keys.
+// softmax runs per span of kDecodeSpan keys, not per block: at the engine's
+// 16-token blocks a per-block pass spent as much on the max/exp/sum
+// reductions and the accumulator rescale as on the keys.
 constexpr int kDecodeSpan = 256;
 constexpr int kItemKbFloats = 4096;  // converted keys of an item's heads per 16-key chunk (16 KB, L1)
 constexpr int kItemRows = 48;        // query rows of one decode item, at most
@@ -127,20 +92,24 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
                  int64_t b_end = -1, float* part = nullptr) {
   constexpr int NV = D / 16;
   const int G = a.Hq / a.Hkv, bs = a.bs, nh = kh1 - kh0;
-  const int nq = static_cast<int>(t1 - t0), Rh = nq * G;  // rows per head, < 16
+  const int nq = static_cast<int>(t1 - t0), Rh = nq * G;  // rows per head; nq <= kTile
   const int R = nh * Rh;
   const int span_blocks = bs >= kDecodeSpan ? 1 : kDecodeSpan / bs;
   const int64_t spanp = (static_cast<int64_t>(span_blocks) * bs + 31) / 16 * 16;  // + 16 slack
   const int Rp = (R + 15) / 16 * 16;
   const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = a.kv_dtype == F32 ? 4 : 2;
-  // scratch: q [R][D], St [R][spanp], acc [R][D], m, l, alpha [Rp], kb [nh][16][D], segs
-  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * spanp + R * D + 3 * Rp + nh * 16 * D) +
+  // scratch: q [R][D], St [R][spanp], acc, acc_s [R][D], m, l, ms, ls, alpha [Rp],
+  // kb [nh][16][D], segs
+  float* qf = tl_buf.get(static_cast<size_t>(R * D + R * spanp + 2 * R * D + 5 * Rp + nh * 16 * D) +
                          sizeof(SpanSeg) * span_blocks / sizeof(float) + 16);
   float* St = qf + R * D;
   float* acc = St + static_cast<size_t>(R) * spanp;
-  float* m = acc + static_cast<size_t>(R) * D;
+  float* acc_s = acc + static_cast<size_t>(R) * D;  // the span's own state (fold_span)
+  float* m = acc_s + static_cast<size_t>(R) * D;
   float* l = m + Rp;
-  float* alpha = l + Rp;
+  float* ms = l + Rp;
+  float* ls = ms + Rp;
+  float* alpha = ls + Rp;
   float* kb = alpha + Rp;
   SpanSeg* segs = reinterpret_cast<SpanSeg*>(kb + nh * 16 * D);
   int64_t qpos[16], qlo[16];
@@ -169,14 +138,23 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int64_t be = b_end < 0 || b_end > nblk ? nblk : b_end;
     const int64_t bb = b_begin > lo_min / bs ? b_begin : lo_min / bs;
-    for (int64_t b0 = bb; b0 < be; b0 += span_blocks) {
+    // Spans on the grid from block 0 (fold_span); blocks before bb are unread.
+    for (int64_t b0 = span_start(bb, span_blocks); b0 < be; b0 += span_blocks) {
       const int64_t b1 = b0 + span_blocks < be ? b0 + span_blocks : be;
-      int nseg = 0, n = 0;  // n: scores in the span so far
+      // n: the span's scores so far. A key's score sits at its offset in the
+      // span whichever blocks are read (the sums' lanes follow it); blocks
+      // not read (before bb, or not in the pool) score -inf.
+      int nseg = 0, n = 0;
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t blk = table[b];
-        if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
         const int64_t key0 = b * bs;
         const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
+        const int64_t blk = b < bb ? -1 : table[b];
+        if (blk < 0 || (blk + 1) * bs > a.num_slots) {
+          for (int r = 0; r < R; ++r)
+            for (int i = 0; i < nk; ++i) St[r * spanp + n + i] = -INFINITY;
+          n += nk;
+          continue;
+        }
         segs[nseg++] = SpanSeg{blk * bs, nk, n};
         for (int i0 = 0; i0 < nk; i0 += 16) {
           const int nv = nk - i0 < 16 ? nk - i0 : 16;
@@ -216,12 +194,18 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
         }
         n += nk;
       }
-      if (n == 0) continue;
-      span_softmax(St, spanp, R, n, m, l, alpha);
+      if (nseg == 0) continue;
+      for (int r = 0; r < R; ++r) {
+        ms[r] = -INFINITY;
+        ls[r] = 0.f;
+      }
+      std::memset(acc_s, 0, sizeof(float) * R * D);
+      span_softmax(St, spanp, R, n, ms, ls, alpha);
       for (int hh = 0; hh < nh; ++hh) {
         pv_rows<D>(DenseValues{vbase + hh * D * kes, vrow, a.kv_dtype, static_cast<int>(kes)}, segs,
-                   nseg, St + hh * Rh * spanp, 1, spanp, Rh, alpha + hh * Rh, acc + hh * Rh * D);
+                   nseg, St + hh * Rh * spanp, 1, spanp, Rh, alpha + hh * Rh, acc_s + hh * Rh * D);
       }
+      for (int r = 0; r < R; ++r) fold_span(m[r], l[r], acc + r * D, ms[r], ls[r], acc_s + r * D, D);
     }
   }
   if (part == nullptr) {
@@ -231,115 +215,6 @@ void decode_tile(const Args& a, int64_t t0, int64_t t1, int kh0, int kh1, int64_
   std::memcpy(part, acc, sizeof(float) * R * D);
   std::memcpy(part + R * D, m, sizeof(float) * R);
   std::memcpy(part + R * D + R, l, sizeof(float) * R);
-}
-
-template <int D>
-void tile(const Args& a, int64_t t0, int64_t t1, int kh) {
-  constexpr int DV = D;
-  const int G = a.Hq / a.Hkv, bs = a.bs;
-  const int nq = static_cast<int>(t1 - t0), R = nq * G;
-  const int RC = (R + 15) / 16;
-  const int64_t Rp = static_cast<int64_t>(RC) * 16;
-  const size_t qes = a.q_dtype == F32 ? 4 : 2, kes = a.kv_dtype == F32 ? 4 : 2;
-  // scratch: Qt [D][Rp], S [bs][Rp], acc [R][DV], m, l, alpha [Rp], qpos, qlo [Rp] int32,
-  // kb [4][D]
-  float* qt = tl_buf.get(static_cast<size_t>(D * Rp + bs * Rp + R * DV + 5 * Rp + 4 * D));
-  float* S = qt + D * Rp;
-  float* acc = S + bs * Rp;
-  float* m = acc + static_cast<size_t>(R) * DV;
-  float* l = m + Rp;
-  float* alpha = l + Rp;
-  int32_t* qpos = reinterpret_cast<int32_t*>(alpha + Rp);
-  int32_t* qlo = qpos + Rp;
-  float* kb = alpha + 3 * Rp;
-
-  const int32_t s = a.seq_idx[t0];
-  const bool valid = s >= 0 && s < a.S;
-  int64_t n_keys = 0, lo_min = INT64_MAX;
-  for (int r = 0; r < Rp; ++r) {
-    int64_t p = -1, lo = 0;
-    if (r < R) {
-      p = a.pos[t0 + r / G];
-      lo = key_lo(a.window, p);
-      lo_min = lo < lo_min ? lo : lo_min;
-      if (p > a.B * bs - 1) p = a.B * bs - 1;
-    }
-    qpos[r] = static_cast<int32_t>(p);
-    qlo[r] = static_cast<int32_t>(lo);  // lo <= p, an int32 position
-    if (p + 1 > n_keys) n_keys = p + 1;
-  }
-  for (int r = 0; r < Rp; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::memset(acc, 0, sizeof(float) * R * DV);
-  std::memset(qt, 0, sizeof(float) * D * Rp);
-  for (int r = 0; r < R; ++r) {
-    const int j = r / G, h = kh * G + r % G;
-    const char* qp = static_cast<const char*>(a.q) + (((t0 + j) * a.Hq + h) * D) * qes;
-    for (int d0 = 0; d0 < D; d0 += 16) {
-      alignas(64) float t[16];
-      _mm512_store_ps(t, _mm512_mul_ps(load16(qp + d0 * qes, a.q_dtype), _mm512_set1_ps(a.scale)));
-      for (int d = 0; d < 16; ++d) qt[(d0 + d) * Rp + r] = t[d];
-    }
-  }
-  if (valid && n_keys > 0) {
-    const int32_t* table = a.tables + static_cast<int64_t>(s) * a.B;
-    const int64_t nblk = (n_keys + bs - 1) / bs;
-    const int64_t krow = static_cast<int64_t>(a.Hkv) * D * kes;
-    const int64_t vrow = static_cast<int64_t>(a.Hkv) * DV * kes;
-    const char* kbase = static_cast<const char*>(a.k) + static_cast<int64_t>(kh) * D * kes;
-    const char* vbase = static_cast<const char*>(a.v) + static_cast<int64_t>(kh) * DV * kes;
-    for (int64_t b = lo_min / bs; b < nblk; ++b) {  // blocks before every window: unread
-      const int64_t blk = table[b];
-      if (blk < 0 || (blk + 1) * bs > a.num_slots) continue;
-      const int64_t key0 = b * bs;
-      const int nk = static_cast<int>(n_keys - key0 < bs ? n_keys - key0 : bs);
-      for (int i0 = 0; i0 < nk; i0 += 4) {
-        const int nv = nk - i0 < 4 ? nk - i0 : 4;
-        for (int j = 0; j < 4; ++j) {
-          for (int d0 = 0; d0 < D; d0 += 16) {
-            _mm512_storeu_ps(kb + j * D + d0,
-                             j < nv ? load16(kbase + (blk * bs + i0 + j) * krow + d0 * kes,
-                                             a.kv_dtype)
-                                    : _mm512_setzero_ps());
-          }
-        }
-        int c = 0;
-        for (; c + 3 <= RC; c += 3)
-          qk_keys4<D, 3>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
-        if (RC - c == 2) qk_keys4<D, 2>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
-        if (RC - c == 1) qk_keys4<D, 1>(kb, qt, Rp, c, qpos, qlo, key0 + i0, nv, S + i0 * Rp);
-      }
-      const __m512 ninf = _mm512_set1_ps(-INFINITY);
-      for (int c = 0; c < RC; ++c) {
-        __m512 mb = ninf;
-        for (int i = 0; i < nk; ++i) mb = _mm512_max_ps(mb, _mm512_load_ps(S + i * Rp + c * 16));
-        const __m512 m_old = _mm512_load_ps(m + c * 16);
-        const __m512 m_new = _mm512_max_ps(m_old, mb);
-        // Rows with no visible key yet keep m = -inf: shift by 0 there.
-        const __m512 m_use = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),
-                                                _mm512_setzero_ps());
-        const __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ),
-                                              exp16(_mm512_sub_ps(m_old, m_use)));
-        __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < nk; ++i) {
-          const __m512 x = _mm512_load_ps(S + i * Rp + c * 16);
-          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
-                                               exp16(_mm512_sub_ps(x, m_use)));
-          _mm512_store_ps(S + i * Rp + c * 16, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        _mm512_store_ps(l + c * 16, _mm512_fmadd_ps(_mm512_load_ps(l + c * 16), al, sum));
-        _mm512_store_ps(m + c * 16, m_new);
-        _mm512_store_ps(alpha + c * 16, al);
-      }
-      const SpanSeg seg{blk * bs, nk, 0};
-      pv_rows<DV>(DenseValues{vbase, vrow, a.kv_dtype, static_cast<int>(kes)}, &seg, 1, S, Rp, 1, R,
-                  alpha, acc);
-    }
-  }
-  write_rows(a, t0, kh, R, acc, l);
 }
 
 // Decode items hold a group of kv heads, for split_decode (cpu/split_decode.h).
@@ -363,11 +238,7 @@ void run_range(void* vctx, int64_t i0, int64_t i1) {
   const Args& a = *c.a;
   for (int64_t i = i0; i < i1; ++i) {
     const Item& it = c.items[i];
-    if (prefill_tile(a, it.t0, it.t1)) {
-      tile<D>(a, it.t0, it.t1, it.kh0);
-    } else {
-      decode_tile<D>(a, it.t0, it.t1, it.kh0, it.kh1);
-    }
+    decode_tile<D>(a, it.t0, it.t1, it.kh0, it.kh1);
   }
 }
 

@@ -1,7 +1,8 @@
-// The prefill tile of the AVX2 attention kernels (16 query rows or more),
-// over any pool of keys and values: the dense kernel's
-// (paged_attention_avx2.cpp) and the quantized one's (kv_quant_avx2.cpp,
-// which decodes a block's codes into fp32 rows first). S[key][row] =
+// The prefill tile of the quantized AVX2 attention kernels (16 query rows
+// or more; kv_quant_avx2.cpp, which decodes a block's codes into fp32 rows
+// first, and the AVX-512 quantized path's prefill items). The dense kernels
+// dropped it: their one tile kernel keeps a row's result independent of
+// its call (cpu/span_fold.h). S[key][row] =
 // K . Q^T with Q transposed once per tile, so each vector holds 8 query
 // rows of one key (4 keys x up to 2 row vectors in registers per pass over
 // d); mask, block maximum and exp across rows in those vectors; P.V with

@@ -3,9 +3,10 @@
 // few work items in its kv heads for the pool (3 heads on 2 threads leave one
 // idle a third of the time; one item holding every head leaves the other
 // thread idle throughout), so each head group's blocks are split into ranges
-// of whole spans, run in parallel by the file's decode tile, and the partial
-// softmax states merged. Compiled per ISA: everything lives in an anonymous
-// namespace (see csrc/cpu/qmm.h, ODR).
+// of whole spans, run in parallel by the file's decode tile, and the spans'
+// softmax states folded in key order (cpu/span_fold.h): the same result,
+// bit for bit, as the tile over the whole row. Compiled per ISA: everything
+// lives in an anonymous namespace (see csrc/cpu/qmm.h, ODR).
 #pragma once
 
 #include <cmath>
@@ -15,6 +16,7 @@
 #include "common/parallel.h"
 #include "common/scratch.h"
 #include "cpu/paged_attention.h"
+#include "cpu/span_fold.h"
 
 namespace mlxfast {
 namespace pa {
@@ -26,9 +28,9 @@ thread_local Scratch tl_merge;
 
 struct SplitCtx {
   const Args* a;
-  int64_t first_block, spans, span_blocks;  // split sp: spans [sp * spans / splits, (sp + 1) * ...)
-  int splits, heads_per_item, stride;
-  float* parts;  // [groups][splits][stride]: R * D acc, then m [R] and l [R]
+  int64_t first_span, spans, span_blocks;  // grid spans first_span .. + spans - 1 of each group
+  int heads_per_item, stride;
+  float* parts;  // [groups][spans][stride]: R * D acc, then m [R] and l [R]
 };
 
 // Tiles (the ISA file's decode tile and its split policy):
@@ -39,20 +41,20 @@ struct SplitCtx {
 //                       blocks [b_begin, b_end) of kv heads [kh0, kh1), the
 //                       unnormalised state stored in part: R * D acc, then
 //                       m [R] and l [R], rows ordered by head then query head.
+// A work item is one span of one head group: the tile over exactly one grid
+// span stores that span's own state (its first fold_span is a copy), and the
+// merge folds the spans in key order, as the tile does over a whole row.
 template <int D, class Tiles>
 void split_range(void* vctx, int64_t i0, int64_t i1) {
   const SplitCtx& c = *static_cast<const SplitCtx*>(vctx);
   const int Hkv = c.a->Hkv;
   for (int64_t i = i0; i < i1; ++i) {
-    const int grp = static_cast<int>(i / c.splits), sp = static_cast<int>(i % c.splits);
+    const int grp = static_cast<int>(i / c.spans);
+    const int64_t b0 = (c.first_span + i % c.spans) * c.span_blocks;
     const int kh0 = grp * c.heads_per_item;
     const int kh1 = kh0 + c.heads_per_item < Hkv ? kh0 + c.heads_per_item : Hkv;
-    // Spans spread evenly: ceil(spans / splits) per split left the last
-    // splits empty (9 spans in 8 splits: 2, 2, 2, 2, 1, 0, 0, 0), and the
-    // pool hands out contiguous item ranges, so one thread did 8 of the 9.
-    const int64_t s0 = sp * c.spans / c.splits, s1 = (sp + 1) * c.spans / c.splits;
-    Tiles::template decode_tile<D>(*c.a, 0, 1, kh0, kh1, c.first_block + s0 * c.span_blocks,
-                                   c.first_block + s1 * c.span_blocks, c.parts + i * c.stride);
+    Tiles::template decode_tile<D>(*c.a, 0, 1, kh0, kh1, b0, b0 + c.span_blocks,
+                                   c.parts + i * c.stride);
   }
 }
 
@@ -61,7 +63,7 @@ void split_range(void* vctx, int64_t i0, int64_t i1) {
 template <int D, class Tiles>
 bool split_decode(const Args& a) {
   const int G = a.Hq / a.Hkv, bs = a.bs;
-  if (a.T != 1 || G >= 16) return false;
+  if (a.T != 1) return false;
   const int hpi = Tiles::heads_per_item(a);
   const int groups = (a.Hkv + hpi - 1) / hpi;
   if (groups >= kSplitItems) return false;
@@ -71,38 +73,27 @@ bool split_decode(const Args& a) {
   const int64_t lo = key_lo(a.window, p);
   if (p > a.B * bs - 1) p = a.B * bs - 1;
   if (p - lo + 1 < Tiles::split_min_keys(D)) return false;  // keys in range
-  // Split the blocks from the window's first one (earlier ones are never read).
-  const int64_t b_first = lo / bs, n_blocks = p / bs + 1 - b_first;
+  // The grid spans from the window's first block (earlier ones are never read).
   const int64_t span_blocks = Tiles::span_blocks(bs);
-  const int64_t spans = (n_blocks + span_blocks - 1) / span_blocks;
-  int splits = (kSplitItems + groups - 1) / groups;
-  if (splits > spans) splits = static_cast<int>(spans);
-  if (splits < 2 && groups < 2) return false;
+  const int64_t first_span = lo / bs / span_blocks, spans = p / bs / span_blocks + 1 - first_span;
+  if (spans < 2 && groups < 2) return false;
   const int Rmax = hpi * G, stride = Rmax * D + 2 * Rmax;
-  SplitCtx c{&a, b_first, spans, span_blocks, splits, hpi, stride,
-             tl_part.get(static_cast<size_t>(groups) * splits * stride)};
-  parallel_for(static_cast<int64_t>(groups) * splits, 1, &split_range<D, Tiles>, &c);
-  float* acc = tl_merge.get(static_cast<size_t>(Rmax) * D + Rmax);
-  float* l = acc + static_cast<size_t>(Rmax) * D;
+  SplitCtx c{&a, first_span, spans, span_blocks, hpi, stride,
+             tl_part.get(static_cast<size_t>(groups) * spans * stride)};
+  parallel_for(static_cast<int64_t>(groups) * spans, 1, &split_range<D, Tiles>, &c);
+  float* acc = tl_merge.get(static_cast<size_t>(Rmax) * D + 2 * Rmax);
+  float* m = acc + static_cast<size_t>(Rmax) * D;
+  float* l = m + Rmax;
   for (int grp = 0; grp < groups; ++grp) {
     const int kh0 = grp * hpi, nh = (kh0 + hpi < a.Hkv ? kh0 + hpi : a.Hkv) - kh0, R = nh * G;
-    const float* pk = c.parts + static_cast<int64_t>(grp) * splits * stride;
+    const float* pk = c.parts + static_cast<int64_t>(grp) * spans * stride;
     for (int r = 0; r < R; ++r) {
-      float mx = -INFINITY;
-      for (int sp = 0; sp < splits; ++sp) {
-        const float ms = pk[sp * stride + R * D + r];
-        mx = ms > mx ? ms : mx;
-      }
+      m[r] = -INFINITY;
       l[r] = 0.f;
       std::memset(acc + r * D, 0, sizeof(float) * D);
-      if (mx == -INFINITY) continue;
-      for (int sp = 0; sp < splits; ++sp) {
-        const float* ps = pk + sp * stride;
-        const float ms = ps[R * D + r];
-        if (ms == -INFINITY) continue;
-        const float w = std::exp(ms - mx);
-        l[r] += w * ps[R * D + R + r];
-        for (int d = 0; d < D; ++d) acc[r * D + d] += w * ps[r * D + d];
+      for (int64_t k = 0; k < spans; ++k) {
+        const float* ps = pk + k * stride;
+        fold_span(m[r], l[r], acc + r * D, ps[R * D + r], ps[R * D + R + r], ps + r * D, D);
       }
     }
     for (int h = 0; h < nh; ++h) write_rows(a, 0, kh0 + h, G, acc + h * G * D, l + h * G);
