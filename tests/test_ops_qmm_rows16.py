@@ -19,8 +19,11 @@ from test_ops_qmm import TOL, make_weights, oracle
 
 
 BITS = [4, 8]
-# Rows to which the layout's GEMV runs (qmm.h rows16_gemv_max_rows); the GEMM above.
+# Rows to which the layout's GEMV runs (qmm.h rows16_gemv_max_rows), then its
+# GEMM in the GEMV's arithmetic to INVARIANT_MAX rows (kRows16InvariantMaxRows),
+# then the dequantized-panel GEMM.
 ROWS16_GEMV_MAX = {4: 32, 8: 64}
+INVARIANT_MAX = 128
 
 
 def packed(N, K, gs, sdtype, symmetric=False, seed=0, bits=4):
@@ -54,7 +57,7 @@ SHAPES = [(N, K, gs) for N, K in [(16, 32), (48, 576), (96, 1536), (32, 4096)]
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("N,K,gs", SHAPES)
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 17, 40, 97, 130])
 def test_matches_the_oracle(path, N, K, gs, M, bits):
     (wq, s, b), p = packed(N, K, gs, mx.float16, seed=M, bits=bits)
     x = mx.random.normal((M, K), key=mx.random.key(M))
@@ -64,7 +67,7 @@ def test_matches_the_oracle(path, N, K, gs, M, bits):
 @pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
-@pytest.mark.parametrize("M", [1, 7, 24])
+@pytest.mark.parametrize("M", [1, 7, 24, 70])
 @pytest.mark.parametrize("bits", BITS)
 def test_dtypes_and_symmetric(path, xdtype, sdtype, symmetric, M, bits):
     (wq, s, b), p = packed(64, 320, 32, sdtype, symmetric, bits=bits)
@@ -73,44 +76,45 @@ def test_dtypes_and_symmetric(path, xdtype, sdtype, symmetric, M, bits):
 
 
 @pytest.mark.skipif(not ops.cpu_supports("avx512"), reason="the AVX-512 GEMM's property")
-@pytest.mark.parametrize("M", [40, 70])
-def test_gemm_is_the_mlx_layout_gemm_bit_for_bit(M):
-    """Past the GEMV's rows both layouts dequantize panels to the same
+@pytest.mark.parametrize("M", [INVARIANT_MAX + 1, 200])
+def test_large_gemm_is_the_mlx_layout_gemm_bit_for_bit(M):
+    """Past INVARIANT_MAX rows both layouts dequantize panels to the same
     values (s * q + b, one rounding) and share the AVX-512 micro-kernel
     (other paths run the layout in the portable kernel)."""
     ops.set_cpu_path("avx512")
     try:
-        _gemm_pairs(M)
+        for bits in BITS:
+            for symmetric in (False, True):
+                (wq, s, b), p = packed(96, 576, 32, mx.float16, symmetric, bits=bits)
+                x = mx.random.normal((M, 576), key=mx.random.key(M))
+                got = ops.quantized_matmul(x, *p, group_size=32, bits=bits)
+                want = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=bits)
+                assert mx.array_equal(got, want).item(), (bits, symmetric)
     finally:
         ops.set_cpu_path("")
 
 
-def _gemm_pairs(M):
-    for bits in BITS:
-        if M <= ROWS16_GEMV_MAX[bits]:
-            continue
-        for symmetric in (False, True):
-            (wq, s, b), p = packed(96, 576, 32, mx.float16, symmetric, bits=bits)
-            x = mx.random.normal((M, 576), key=mx.random.key(M))
-            got = ops.quantized_matmul(x, *p, group_size=32, bits=bits)
-            want = ops.quantized_matmul(x, wq, s, b, group_size=32, bits=bits)
-            assert mx.array_equal(got, want).item(), (bits, symmetric)
-
-
 @pytest.mark.parametrize("gs", [32, 128])
 @pytest.mark.parametrize("bits", BITS)
-def test_gemv_rows_do_not_depend_on_their_batch(path, gs, bits):
-    """A row's output is bit-identical alone and among others, to the
-    GEMV's most rows (32 at 4 bits, 64 at 8: a speculative step's verify
-    rows): each activation row's sums run in one order whatever the tile."""
-    top = ROWS16_GEMV_MAX[bits]
-    _, p = packed(64, 512, gs, mx.float16, bits=bits)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["affine", "symmetric"])
+def test_rows_do_not_depend_on_their_batch(path, gs, bits, symmetric):
+    """A row's output is bit-identical alone and among others, to
+    INVARIANT_MAX rows: the GEMV (its 4-row passes) and above it the GEMM
+    in the same arithmetic (a speculative step's verify rows, several
+    streams' decode rows); 80 output rows: a panel of two row blocks and
+    one of one."""
+    top = INVARIANT_MAX
+    (_, _, _), p = packed(80, 512, gs, mx.float16, symmetric, bits=bits)
     x = mx.random.normal((top, 512), key=mx.random.key(9))
     alone = [ops.quantized_matmul(x[i:i + 1], *p, group_size=gs, bits=bits) for i in range(top)]
-    for M in [*range(2, 18), 24, top - 1, top]:
+    gemv = ROWS16_GEMV_MAX[bits]
+    for M in [*range(2, 18), 24, gemv - 1, gemv, gemv + 1, gemv + 3, 97, top - 1, top]:
         got = ops.quantized_matmul(x[:M], *p, group_size=gs, bits=bits)
         for i in range(M):
             assert mx.array_equal(got[i:i + 1], alone[i]).item(), (M, i)
+    shifted = ops.quantized_matmul(x[5:5 + 90], *p, group_size=gs, bits=bits)  # rows at other offsets
+    for i in range(90):
+        assert mx.array_equal(shifted[i:i + 1], alone[5 + i]).item(), i
 
 
 def test_fused_pieces_and_reference():

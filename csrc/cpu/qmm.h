@@ -109,11 +109,21 @@ inline int64_t gemv_max_rows(int bits) { return bits == 8 ? kGemvMaxRows8 : kGem
 // the GEMM's panels are mostly padding (default model's projections, 17
 // rows: 0.33 ms against 0.49-0.85 for gate_up; 24-32 alike or better; 48-64
 // the GEMM's 5-10% better). A speculative step's verify at one stream, or a
-// few streams with drafts, stays on the batch-invariant GEMV.
+// few streams with drafts, stays on the GEMV.
 constexpr int64_t kRows16GemvMaxRows4 = 32;
 inline int64_t rows16_gemv_max_rows(int bits) {
   return bits == 8 ? kGemvMaxRows8 : kRows16GemvMaxRows4;
 }
+
+// Above the GEMV, to 128 rows, the layout's GEMM runs in the GEMV's
+// arithmetic (qmm_avx512.cpp rows16_gemm): a row's result is the same in
+// any call of up to 128 rows (decode and verify steps: 8 streams with 8
+// drafts each are 72). Its per-group fold costs ~9% more FMAs at group size
+// 32 than dequantized panels do: at 48-128 rows alike (within 3-6%, the
+// default model's and a 1B's shapes), at 512 rows 2-7% slower and the
+// default model's 512-token prefill 7% slower, so larger calls (prefill
+// chunks) take the dequantized-panel GEMM.
+constexpr int64_t kRows16InvariantMaxRows = 128;
 
 // GEMV software-prefetch distance, in weight rows ahead of the row being
 // read. The hardware streamers alone left one core latency-bound: the 8-bit

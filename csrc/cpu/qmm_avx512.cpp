@@ -248,6 +248,17 @@ constexpr int kRows16Ahead = 64;
 // x as fp32 rows [M][K], value k scaled by 2^-b(k % v) (b = BITS, v =
 // 32 / BITS values a word; the word's last value unscaled: see rows16_tile),
 // then each row's group sums of the unscaled x [M][G] (fixed order).
+// Row m's group sums of x (the GEMV's and the GEMM's: one order).
+inline void rows16_group_sums(const Args& a, int64_t m, float* sx) {
+  const int64_t K = a.K, gs = a.group_size, G = K / gs;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 16)  // gs: a multiple of 16
+      t = _mm512_add_ps(t, load_cvt(a.x, a.x_dtype, m * K + k, 0xffff));
+    sx[g] = _mm512_reduce_add_ps(t);
+  }
+}
+
 template <int BITS>
 void rows16_prepare_bits(const Args& a, float* xp) {
   const int64_t M = a.M, K = a.K, gs = a.group_size, G = K / gs;
@@ -260,15 +271,9 @@ void rows16_prepare_bits(const Args& a, float* xp) {
                                                  0x1p-16f, 1.f);
   for (int64_t m = 0; m < M; ++m) {
     float* row = xp + m * K;
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 t = _mm512_setzero_ps();
-      for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {  // gs: a multiple of 16
-        const __m512 v = load_cvt(a.x, a.x_dtype, m * K + k, 0xffff);
-        t = _mm512_add_ps(t, v);
-        _mm512_storeu_ps(row + k, _mm512_mul_ps(v, pow2));
-      }
-      sx[m * G + g] = _mm512_reduce_add_ps(t);
-    }
+    for (int64_t k = 0; k < K; k += 16)  // K: a multiple of the group size, of 16
+      _mm512_storeu_ps(row + k, _mm512_mul_ps(load_cvt(a.x, a.x_dtype, m * K + k, 0xffff), pow2));
+    rows16_group_sums(a, m, sx + m * G);
   }
 }
 
@@ -379,6 +384,170 @@ void rows16_gemv(const Args& a) {
   const int64_t blocks = a.N / 16;
   auto body = [&a, xp](int64_t b0, int64_t b1) { rows16_run_blocks(a, xp, b0, b1); };
   par_dynamic(blocks, blocks / (8 * num_threads()), body);
+}
+
+// The layout's GEMM above the GEMV's rows, to kRows16InvariantMaxRows
+// (qmm.h), computes every output in the GEMV's arithmetic (rows16_tile):
+// per group, the codes' products with x in two chains by k's parity, their
+// sum scaled, then b times the row's group sum of x (rows16_group_sums: the
+// same numbers). So a row's result is the same bit for bit in any call of
+// up to that many rows: a speculative step's verify rows and the plain
+// steps they stand for give one answer (greedy speculation is lossless
+// only so). The codes are
+// converted to floats once per panel (kR16NR columns: two row blocks, kKC
+// keys of whole groups), then a micro-tile of kR16MR activation rows runs
+// over it: 2 chains x 4 rows x 2 vectors plus 8 accumulators, 24 registers.
+constexpr int kR16MR = 4;
+constexpr int kR16NR = 32;
+
+// Codes of row blocks blk0, blk0 + 1 (nblk of them) at keys [kb, ke) as
+// floats, bp [ke - kb][kR16NR]; their groups' scales and biases, sp and bq
+// [groups][kR16NR]. A missing second block reads as zero weights.
+template <int BITS>
+void rows16_panel(const Args& a, int64_t blk0, int nblk, int64_t kb, int64_t ke, float* bp,
+                  float* sp, float* bq) {
+  constexpr int V = 32 / BITS;
+  const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
+  const __m512i qmask = _mm512_set1_epi32((1 << BITS) - 1);
+  for (int h = 0; h < 2; ++h) {
+    if (h >= nblk) {
+      for (int64_t k = kb; k < ke; ++k) _mm512_storeu_ps(bp + (k - kb) * kR16NR + 16, _mm512_setzero_ps());
+      for (int64_t g = 0; g < (ke - kb) / gs; ++g) {
+        _mm512_storeu_ps(sp + g * kR16NR + 16, _mm512_setzero_ps());
+        _mm512_storeu_ps(bq + g * kR16NR + 16, _mm512_setzero_ps());
+      }
+      continue;
+    }
+    const int64_t blk = blk0 + h;
+    const __m512i* w = reinterpret_cast<const __m512i*>(a.w) + blk * (K * BITS / 32);
+    for (int64_t g = kb / gs; g < ke / gs; ++g) {
+      const int64_t p = (blk * G + g) * 16;
+      const __m512 s = load_cvt(a.scales, a.s_dtype, p, 0xffff);
+      const __m512 b = a.biases ? load_cvt(a.biases, a.s_dtype, p, 0xffff)
+                                : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(BITS)));
+      _mm512_storeu_ps(sp + (g - kb / gs) * kR16NR + 16 * h, s);
+      _mm512_storeu_ps(bq + (g - kb / gs) * kR16NR + 16 * h, b);
+      for (int64_t j = g * gs / V; j < (g + 1) * gs / V; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + j);
+        float* dst = bp + (V * j - kb) * kR16NR + 16 * h;
+        for (int t = 0; t < V; ++t) {
+          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, BITS * t), qmask);
+          _mm512_storeu_ps(dst + t * kR16NR, _mm512_cvtepi32_ps(q));
+        }
+      }
+    }
+  }
+}
+
+// Activation rows m0 .. m0 + mr - 1 (ap: their x, [k][kR16MR] from kb) over
+// the panel's ng groups; sx: the rows' group sums [kR16MR][G] from the
+// panel's first group. The accumulators continue from cs (first: zero) and
+// go back there, or to the output (last).
+inline void rows16_micro(const float* ap, const float* bp, const float* sp, const float* bq,
+                         const float* sx, int64_t G, int64_t ng, int gs, float* cs, bool first,
+                         bool last, const Args& a, int64_t m0, int mr, int64_t n0, int nblk) {
+  constexpr int MR = kR16MR;
+  __m512 c[MR][2];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 2; ++v)
+      c[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(cs + r * kR16NR + 16 * v);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 d[2][MR][2];  // chains by k's parity, as rows16_tile's kChains
+    for (int e = 0; e < 2; ++e)
+      for (int r = 0; r < MR; ++r) d[e][r][0] = d[e][r][1] = _mm512_setzero_ps();
+    for (int k = 0; k < gs; k += 2) {
+      for (int e = 0; e < 2; ++e) {
+        const __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16);
+        for (int r = 0; r < MR; ++r) {
+          const __m512 x = _mm512_set1_ps(ap[r]);
+          d[e][r][0] = _mm512_fmadd_ps(b0, x, d[e][r][0]);
+          d[e][r][1] = _mm512_fmadd_ps(b1, x, d[e][r][1]);
+        }
+        bp += kR16NR;
+        ap += MR;
+      }
+    }
+    for (int v = 0; v < 2; ++v) {
+      const __m512 s = _mm512_loadu_ps(sp + g * kR16NR + 16 * v);
+      const __m512 b = _mm512_loadu_ps(bq + g * kR16NR + 16 * v);
+      for (int r = 0; r < MR; ++r) {
+        c[r][v] = _mm512_fmadd_ps(s, _mm512_add_ps(d[0][r][v], d[1][r][v]), c[r][v]);
+        c[r][v] = _mm512_fmadd_ps(b, _mm512_set1_ps(sx[r * G + g]), c[r][v]);
+      }
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < 2; ++v) _mm512_storeu_ps(cs + r * kR16NR + 16 * v, c[r][v]);
+    return;
+  }
+  for (int r = 0; r < mr; ++r)
+    for (int v = 0; v < nblk; ++v)
+      store_cvt(a.out, a.x_dtype, (m0 + r) * a.N + n0 + 16 * v, c[r][v], 0xffff);
+}
+
+template <int BITS>
+void rows16_gemm_bits(const Args& a) {
+  constexpr int MR = kR16MR;
+  const int64_t M = a.M, N = a.N, K = a.K, gs = a.group_size, G = K / gs;
+  const int64_t P = ceil_div(M, MR);
+  // The rows' x packed [P][K][MR] and their group sums [P][MR][G] (zero past M).
+  float* ap = tl_x.get(static_cast<size_t>(P * MR * (K + G)));
+  float* sxp = ap + P * MR * K;
+  const Args* pa = &a;
+  auto pack = [pa, ap, sxp, M, K, G](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int r = 0; r < MR; ++r) {
+        const int64_t m = p * MR + r;
+        float* dst = ap + p * MR * K + r;
+        float* sx = sxp + (p * MR + r) * G;
+        if (m >= M) {
+          for (int64_t k = 0; k < K; ++k) dst[k * MR] = 0.f;
+          std::memset(sx, 0, sizeof(float) * G);
+          continue;
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += 16) {
+          alignas(64) float t[16];
+          _mm512_store_ps(t, load_cvt(pa->x, pa->x_dtype, m * K + k0, 0xffff));
+          for (int i = 0; i < 16; ++i) dst[(k0 + i) * MR] = t[i];
+        }
+        rows16_group_sums(*pa, m, sx);
+      }
+    }
+  };
+  par(P, 4, pack);
+  const int64_t NB = ceil_div(N / 16, 2);  // panels of two row blocks
+  const int64_t kc_max = (kKC / gs > 0 ? kKC / gs : 1) * gs;
+  const int64_t pc = kABlockBytes / (K * MR * 4) > 1 ? kABlockBytes / (K * MR * 4) : 1;
+  auto body = [pa, ap, sxp, K, M, G, gs, P, kc_max, pc, NB](int64_t t0, int64_t t1) {
+    const Args& a = *pa;
+    float* bp = tl_w.get(static_cast<size_t>(kc_max * kR16NR + 2 * (kc_max / gs) * kR16NR));
+    float* sp = bp + kc_max * kR16NR;
+    float* bq = sp + (kc_max / gs) * kR16NR;
+    float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * MR * kR16NR)) : nullptr;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pb = (t / NB) * pc, pe = pb + pc < P ? pb + pc : P;
+      const int64_t blk0 = (t % NB) * 2;
+      const int nblk = blk0 + 1 < a.N / 16 ? 2 : 1;
+      for (int64_t kb = 0; kb < K; kb += kc_max) {
+        const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
+        rows16_panel<BITS>(a, blk0, nblk, kb, ke, bp, sp, bq);
+        for (int64_t p = pb; p < pe; ++p) {
+          const int mr = static_cast<int>(M - p * MR < MR ? M - p * MR : MR);
+          rows16_micro(ap + (p * K + kb) * MR, bp, sp, bq, sxp + p * MR * G + kb / gs, G,
+                       (ke - kb) / gs, static_cast<int>(gs), cs ? cs + p * MR * kR16NR : nullptr,
+                       kb == 0, ke == K, a, p * MR, mr, blk0 * 16, nblk);
+        }
+      }
+    }
+  };
+  par_dynamic(ceil_div(P, pc) * NB, 1, body);
+  tl_x.trim(kKeepScratchFloats);
+}
+
+void rows16_gemm(const Args& a) {
+  if (a.bits == 8) return rows16_gemm_bits<8>(a);
+  rows16_gemm_bits<4>(a);
 }
 
 // The kernels Driver<Avx512> runs (see qmm_x86.h).
@@ -569,8 +738,9 @@ void gemv_block_avx512(const Args& a, const float* xp, int64_t n0, int64_t n1) {
 }
 
 void run_avx512(const Args& a) {
-  if (a.rows16) {  // the layout's own GEMV, else the GEMM (the MLX-layout GEMV can't read it)
+  if (a.rows16) {  // the layout's own kernels (the MLX-layout GEMV can't read it)
     if (a.M <= rows16_gemv_max_rows(a.bits)) return rows16_gemv(a);
+    if (a.M <= kRows16InvariantMaxRows) return rows16_gemm(a);
     return Avx512Driver::gemm(a);
   }
   Avx512Driver::run(a);
