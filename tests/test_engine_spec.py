@@ -516,8 +516,8 @@ def test_default_model_prompt_lookup_changes_no_token(default_model, stop):
 def test_default_model_logits_do_not_depend_on_the_step(default_model):
     """A position's logits are bit-identical whether its step computes it
     alone (a decode step; past 512 keys the attention splits the keys across
-    threads), as one of the k + 1 rows of a verify step, or beside another
-    sequence's prefill rows. Greedy speculation reproduces plain decoding on
+    threads), as one of the k + 1 rows of a verify step, beside another
+    sequence's prefill rows, or among 8 streams' verify rows. Greedy speculation reproduces plain decoding on
     near-ties only if this holds."""
     from mlxfast.kv.block_pool import KVPool
     from mlxfast.kv.paged import PagedContext, SeqSlice
@@ -545,8 +545,11 @@ def test_default_model_logits_do_not_depend_on_the_step(default_model):
     alone = [step([(0, n + i, 1)], [0])[0] for i in range(k + 1)]
     verify = step([(0, n, k + 1)], list(range(k + 1)))
     beside = step([(1, 40, 30), (0, n + k, 1)], [30])[0]
+    # 8 streams' verify rows: 76 rows, past the GEMVs' (the rows16 GEMM's range)
+    batch = step([(1, 70 + 9 * i, 9) for i in range(7)] + [(0, n, k + 1)], list(range(63 + k + 1)))
     for i in range(k + 1):
         assert mx.array_equal(verify[i], alone[i]).item(), f"verify row {i}"
+        assert mx.array_equal(batch[63 + i], alone[i]).item(), f"batched verify row {i}"
     assert mx.array_equal(beside, alone[k]).item()
 
 
