@@ -22,7 +22,6 @@
 #include "cpu/decode_span_avx2.h"
 #include "cpu/paged_attention.h"
 #include "cpu/split_decode.h"
-#include "cpu/vec_exp.h"
 
 namespace mlxfast {
 namespace pa {

@@ -22,7 +22,6 @@
 #include "cpu/decode_span_avx512.h"
 #include "cpu/reduce_avx512.h"
 #include "cpu/split_decode.h"
-#include "cpu/vec_exp.h"
 
 namespace mlxfast {
 namespace pa {

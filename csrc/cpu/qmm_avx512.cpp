@@ -400,19 +400,22 @@ void rows16_gemv(const Args& a) {
 constexpr int kR16MR = 4;
 constexpr int kR16NR = 32;
 
-// Codes of row blocks blk0, blk0 + 1 (nblk of them) at keys [kb, ke) as
-// floats, bp [ke - kb][kR16NR]; their groups' scales and biases, sp and bq
-// [groups][kR16NR]. A missing second block reads as zero weights.
-template <int BITS>
+// Row blocks blk0, blk0 + 1 (nblk of them) at keys [kb, ke) as a float
+// panel bp [ke - kb][kR16NR]: the codes, with their groups' scales and
+// biases in sp and bq [groups][kR16NR] (rows16_gemm), or with DEQUANT the
+// weights s * q + b (one rounding: the MLX-layout panel's values; the
+// dequantized-panel GEMM, sp and bq unused). A missing second block reads
+// as zero weights.
+template <int BITS, bool DEQUANT>
 void rows16_panel(const Args& a, int64_t blk0, int nblk, int64_t kb, int64_t ke, float* bp,
                   float* sp, float* bq) {
-  constexpr int V = 32 / BITS;
+  constexpr int V = 32 / BITS;  // values a word
   const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
   const __m512i qmask = _mm512_set1_epi32((1 << BITS) - 1);
   for (int h = 0; h < 2; ++h) {
     if (h >= nblk) {
       for (int64_t k = kb; k < ke; ++k) _mm512_storeu_ps(bp + (k - kb) * kR16NR + 16, _mm512_setzero_ps());
-      for (int64_t g = 0; g < (ke - kb) / gs; ++g) {
+      for (int64_t g = 0; !DEQUANT && g < (ke - kb) / gs; ++g) {
         _mm512_storeu_ps(sp + g * kR16NR + 16, _mm512_setzero_ps());
         _mm512_storeu_ps(bq + g * kR16NR + 16, _mm512_setzero_ps());
       }
@@ -425,14 +428,16 @@ void rows16_panel(const Args& a, int64_t blk0, int nblk, int64_t kb, int64_t ke,
       const __m512 s = load_cvt(a.scales, a.s_dtype, p, 0xffff);
       const __m512 b = a.biases ? load_cvt(a.biases, a.s_dtype, p, 0xffff)
                                 : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(BITS)));
-      _mm512_storeu_ps(sp + (g - kb / gs) * kR16NR + 16 * h, s);
-      _mm512_storeu_ps(bq + (g - kb / gs) * kR16NR + 16 * h, b);
+      if (!DEQUANT) {
+        _mm512_storeu_ps(sp + (g - kb / gs) * kR16NR + 16 * h, s);
+        _mm512_storeu_ps(bq + (g - kb / gs) * kR16NR + 16 * h, b);
+      }
       for (int64_t j = g * gs / V; j < (g + 1) * gs / V; ++j) {
         const __m512i v = _mm512_loadu_si512(w + j);
         float* dst = bp + (V * j - kb) * kR16NR + 16 * h;
         for (int t = 0; t < V; ++t) {
-          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, BITS * t), qmask);
-          _mm512_storeu_ps(dst + t * kR16NR, _mm512_cvtepi32_ps(q));
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, BITS * t), qmask));
+          _mm512_storeu_ps(dst + t * kR16NR, DEQUANT ? _mm512_fmadd_ps(q, s, b) : q);
         }
       }
     }
@@ -531,7 +536,7 @@ void rows16_gemm_bits(const Args& a) {
       const int nblk = blk0 + 1 < a.N / 16 ? 2 : 1;
       for (int64_t kb = 0; kb < K; kb += kc_max) {
         const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
-        rows16_panel<BITS>(a, blk0, nblk, kb, ke, bp, sp, bq);
+        rows16_panel<BITS, false>(a, blk0, nblk, kb, ke, bp, sp, bq);
         for (int64_t p = pb; p < pe; ++p) {
           const int mr = static_cast<int>(M - p * MR < MR ? M - p * MR : MR);
           rows16_micro(ap + (p * K + kb) * MR, bp, sp, bq, sxp + p * MR * G + kb / gs, G,
@@ -689,37 +694,13 @@ struct Avx512 {
   }
 
   // dequant_panel for the row-interleaved layout (Args::rows16, bits 4 or
-  // 8): each 16-column half is one row block, its words already hold a k
-  // across the 16 columns, and its scales and biases are a vector per
-  // group. The same values as the MLX-layout panel (s * q + b, one rounding).
+  // 8): each 16-column half is one row block (N % 16 == 0: a missing half
+  // is whole).
   template <int BITS>
   static void dequant_panel_rows16(const Args& a, int64_t n0, int64_t kb, int64_t ke,
                                    float* bp) {
-    constexpr int V = 32 / BITS;  // values a word
-    const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
-    const __m512i qmask = _mm512_set1_epi32((1 << BITS) - 1);
-    for (int64_t j0 = 0; j0 < kNR; j0 += 16) {
-      if (n0 + j0 >= a.N) {  // N % 16 == 0: a missing half is whole
-        for (int64_t k = kb; k < ke; ++k) _mm512_storeu_ps(bp + (k - kb) * kNR + j0, _mm512_setzero_ps());
-        continue;
-      }
-      const int64_t blk = (n0 + j0) >> 4;
-      const __m512i* w = reinterpret_cast<const __m512i*>(a.w) + blk * (K * BITS / 32);
-      for (int64_t g = kb / gs; g < ke / gs; ++g) {
-        const int64_t p = (blk * G + g) * 16;
-        const __m512 s = load_cvt(a.scales, a.s_dtype, p, 0xffff);
-        const __m512 b = a.biases ? load_cvt(a.biases, a.s_dtype, p, 0xffff)
-                                  : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(BITS)));
-        for (int64_t j = g * gs / V; j < (g + 1) * gs / V; ++j) {
-          const __m512i v = _mm512_loadu_si512(w + j);
-          float* dst = bp + (V * j - kb) * kNR + j0;
-          for (int t = 0; t < V; ++t) {
-            const __m512i qi = _mm512_and_si512(_mm512_srli_epi32(v, BITS * t), qmask);
-            _mm512_storeu_ps(dst + t * kNR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), s, b));
-          }
-        }
-      }
-    }
+    static_assert(kNR == kR16NR, "the panel's columns: two row blocks");
+    rows16_panel<BITS, true>(a, n0 >> 4, n0 + 16 < a.N ? 2 : 1, kb, ke, bp, nullptr, nullptr);
   }
 };
 
