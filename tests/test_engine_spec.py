@@ -17,6 +17,7 @@ import pytest
 
 import mlxfast.engine.spec as spec_mod
 from engine_utils import ToyTokenizer, greedy, reference_proposer, run_requests, tiny_model
+from mlxfast import ops
 from mlxfast.engine.api import Request, SamplingParams
 from mlxfast.engine.config import EngineConfig
 from mlxfast.engine.engine import Engine
@@ -517,8 +518,9 @@ def test_default_model_logits_do_not_depend_on_the_step(default_model):
     """A position's logits are bit-identical whether its step computes it
     alone (a decode step; past 512 keys the attention splits the keys across
     threads), as one of the k + 1 rows of a verify step, beside another
-    sequence's prefill rows, or among 8 streams' verify rows. Greedy speculation reproduces plain decoding on
-    near-ties only if this holds."""
+    sequence's prefill rows, or among 8 streams' verify rows (on AVX2 also
+    beside a 200-token prefill chunk). Greedy speculation reproduces plain
+    decoding on near-ties only if this holds."""
     from mlxfast.kv.block_pool import KVPool
     from mlxfast.kv.paged import PagedContext, SeqSlice
 
@@ -551,6 +553,10 @@ def test_default_model_logits_do_not_depend_on_the_step(default_model):
         assert mx.array_equal(verify[i], alone[i]).item(), f"verify row {i}"
         assert mx.array_equal(batch[63 + i], alone[i]).item(), f"batched verify row {i}"
     assert mx.array_equal(beside, alone[k]).item()
+    if ops.cpu_path() == "avx2":  # its linear layers: one arithmetic at every size
+        big = step([(1, 40, 200), (0, n, k + 1)], list(range(200, 200 + k + 1)))  # 213 rows
+        for i in range(k + 1):
+            assert mx.array_equal(big[i], alone[i]).item(), f"row {i} beside a 200-token chunk"
 
 
 # ---------------------------------------------------------------- a draft model

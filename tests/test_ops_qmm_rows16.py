@@ -1,8 +1,9 @@
-"""The row-interleaved layout (ops.pack_rows16, 4- and 8-bit): the AVX-512 GEMV's
-layout, a load-time repack of MLX's. Oracle and tolerances as in
-test_ops_qmm.py (dequantize with MLX, fp32 matmul, error against |x| @ |W|.T);
-every CPU path this machine runs is forced in turn (AVX-512 runs its own
-kernels on it, the others the portable ones)."""
+"""The row-interleaved layout (ops.pack_rows16, 4- and 8-bit): the layout
+of the AVX-512 and AVX2 paths' kernels, a load-time repack of MLX's. Oracle
+and tolerances as in test_ops_qmm.py (dequantize with MLX, fp32 matmul,
+error against |x| @ |W|.T); every CPU path this machine runs is forced in
+turn (AVX-512 and AVX2 run their own kernels on it, the others the portable
+one)."""
 
 import mlx.core as mx
 import numpy as np
@@ -12,7 +13,7 @@ import mlxfast
 from mlxfast import ops
 from mlxfast.kv.dense import DenseKVCache
 from mlxfast.kv.ssd import weights_fingerprint
-from mlxfast.models.layers import (QuantizedEmbedding, QuantizedLinear, pack_rows16,
+from mlxfast.models.layers import (ROWS16_PATHS, QuantizedEmbedding, QuantizedLinear, pack_rows16,
                                    set_matmul_activations, unpack_rows16)
 
 from test_ops_qmm import TOL, make_weights, oracle
@@ -117,6 +118,28 @@ def test_rows_do_not_depend_on_their_batch(path, gs, bits, symmetric):
         assert mx.array_equal(shifted[i:i + 1], alone[5 + i]).item(), i
 
 
+@pytest.mark.skipif(not ops.cpu_supports("avx2"), reason="the AVX2 kernel's property")
+@pytest.mark.parametrize("bits", BITS)
+def test_avx2_rows_do_not_depend_on_their_call_at_any_size(bits):
+    """On AVX2 one kernel runs the layout at every number of rows (its
+    fp32 rate beats the dequantized-panel GEMM's there): a row's result is
+    the same alone and in calls of any size. K = 4,096: bands of 16
+    activation rows, so 300 rows span 19 of them."""
+    ops.set_cpu_path("avx2")
+    try:
+        (_, _, _), p = packed(48, 4096, 64, mx.float16, bits=bits)
+        x = mx.random.normal((300, 4096), key=mx.random.key(11))
+        full = ops.quantized_matmul(x, *p, group_size=64, bits=bits)
+        for i in (0, 1, 15, 16, 17, 150, 299):
+            assert mx.array_equal(ops.quantized_matmul(x[i:i + 1], *p, group_size=64, bits=bits),
+                                  full[i:i + 1]).item(), i
+        for m0, n in ((3, 129), (16, 200), (0, 257)):
+            part = ops.quantized_matmul(x[m0:m0 + n], *p, group_size=64, bits=bits)
+            assert mx.array_equal(part, full[m0:m0 + n]).item(), (m0, n)
+    finally:
+        ops.set_cpu_path("")
+
+
 def test_fused_pieces_and_reference():
     """norm / act / residual wrap the matmul as with MLX's layout; the
     reference takes either layout."""
@@ -164,9 +187,10 @@ def _quantized(model):
     return [(n, l) for n, l in model.named_modules() if isinstance(l, (QuantizedLinear, QuantizedEmbedding))]
 
 
-@pytest.mark.skipif(ops.cpu_path() != "avx512", reason="the layout is packed only on the AVX-512 path")
+@pytest.mark.skipif(ops.cpu_path() not in ROWS16_PATHS,
+                    reason="the layout is packed only on the AVX-512 and AVX2 paths")
 def test_the_default_model_loads_packed_and_computes_the_same(default_model):
-    """The loader packs every 4- and 8-bit projection on AVX-512 (the
+    """The loader packs every 4- and 8-bit projection on AVX-512 and AVX2 (the
     default model's head is 8-bit, its blocks 4-bit); the logits match
     the same model in MLX's layout (a different fp32 sum order: close, not
     equal), and unpack / pack round-trips the weights exactly."""
@@ -192,7 +216,7 @@ def test_the_default_model_loads_packed_and_computes_the_same(default_model):
     assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
 
 
-@pytest.mark.skipif(ops.cpu_path() != "avx512", reason="the layout is packed only on the AVX-512 path")
+@pytest.mark.skipif(ops.cpu_path() != "avx512", reason="int8 activations run on the AVX-512 path only")
 def test_int8_activations_keep_the_head_packed(default_model):
     """int8 activations unpack the block projections (their kernels read
     MLX's layout) and leave the fp32 ones packed; fp32 again repacks all."""

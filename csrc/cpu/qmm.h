@@ -54,9 +54,10 @@ struct Args {
   // vj .. vj+v-1 of row 16b + r (v = 32 / bits values a word), and scales /
   // biases are [N / 16][G][16]. A 16-row block then reads as one stream
   // whose every 64 bytes hold v values of each of its 16 rows, so the
-  // AVX-512 GEMV puts rows in lanes: no per-group lookup table, no
-  // horizontal sums, one cvtdq2ps per 16 values (see qmm_avx512.cpp).
-  // A load-time repack of MLX's layout (ops.pack_rows16); fp32 activations.
+  // AVX-512 and AVX2 kernels put rows in lanes: no per-group lookup table,
+  // no horizontal sums, one cvtdq2ps per 16 (8) values (see qmm_avx512.cpp,
+  // qmm_avx2.cpp). A load-time repack of MLX's layout (ops.pack_rows16) on
+  // those two paths; fp32 activations.
   bool rows16 = false;
 };
 
@@ -115,8 +116,9 @@ inline int64_t rows16_gemv_max_rows(int bits) {
   return bits == 8 ? kGemvMaxRows8 : kRows16GemvMaxRows4;
 }
 
-// Above the GEMV, to 128 rows, the layout's GEMM runs in the GEMV's
-// arithmetic (qmm_avx512.cpp rows16_gemm): a row's result is the same in
+// AVX-512: above the GEMV, to 128 rows, the layout's GEMM runs in the GEMV's
+// arithmetic (qmm_avx512.cpp rows16_gemm; AVX2 runs its one kernel at every
+// size, qmm_avx2.cpp): a row's result is the same in
 // any call of up to 128 rows (decode and verify steps: 8 streams with 8
 // drafts each are 72). Its per-group fold costs ~9% more FMAs at group size
 // 32 than dequantized panels do: at 48-128 rows alike (within 3-6%, the

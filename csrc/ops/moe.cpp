@@ -115,6 +115,7 @@ GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts, bool rows16) {
   if (rows16) {  // as quantized_matmul runs the layout
 #if defined(MLXFAST_X86)
     if (path == CpuPath::Avx512) return {qmm::gemv_prepare_avx512, qmm::gemv_block_avx512};
+    if (path == CpuPath::Avx2) return {qmm::gemv_prepare_avx2, qmm::gemv_block_avx2};
 #endif
     return {qmm::gemv_prepare_portable, qmm::gemv_block_portable};
   }

@@ -167,9 +167,10 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 } // namespace
 
 void run_qmm(const qmm::Args& a, CpuPath path) {
-  if (a.rows16) {  // the row-interleaved layout: AVX-512's kernels, else the portable ones
+  if (a.rows16) {  // the row-interleaved layout: the x86 paths' kernels, else the portable ones
 #if defined(MLXFAST_X86)
     if (path == CpuPath::Avx512) return qmm::run_avx512(a);
+    if (path == CpuPath::Avx2) return qmm::run_avx2(a);
 #endif
     return qmm::run_portable(a);
   }

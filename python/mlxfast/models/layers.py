@@ -100,18 +100,23 @@ class QuantizedLinear(nn.Module):
             residual=residual, activations=self.activations), bias)
 
 
+# The CPU paths with kernels for the row-interleaved layout (elsewhere the
+# portable kernel reads it, slowly: it stays in MLX's layout there).
+ROWS16_PATHS = ("avx512", "avx2")
+
+
 def pack_rows16(model: nn.Module) -> int:
     """Repack the 4- and 8-bit projections of ``model`` (QuantizedLinear,
     QuantizedEmbedding, whose lookup reads it too, and the MoE experts'
     stacked ones; fp32 activations, rows a multiple of 16) into the
     row-interleaved layout
-    (``ops.pack_rows16``) where ops run on the CPU's AVX-512 path, whose
-    GEMV reads it with 16 rows in the lanes of a vector (csrc/cpu/qmm.h,
+    (``ops.pack_rows16``) where ops run on the CPU's AVX-512 or AVX2 path,
+    whose kernels read it with rows in the lanes of a vector (csrc/cpu/qmm.h,
     ``Args::rows16``): the same bytes in another order, the layer's calls
     unchanged. Elsewhere nothing changes. Returns how many layers were
     packed. Code that slices a layer's weight (models/shard.py) calls
     :func:`unpack_rows16` first."""
-    if not (ops.on_cpu(None) and ops.cpu_path() == "avx512"):
+    if not (ops.on_cpu(None) and ops.cpu_path() in ROWS16_PATHS):
         return 0
     n = 0
     for _, layer in model.named_modules():
