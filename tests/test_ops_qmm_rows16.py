@@ -121,9 +121,10 @@ def test_rows_do_not_depend_on_their_batch(path, gs, bits, symmetric):
 @pytest.mark.skipif(not ops.cpu_supports("avx2"), reason="the AVX2 kernel's property")
 @pytest.mark.parametrize("bits", BITS)
 def test_avx2_rows_do_not_depend_on_their_call_at_any_size(bits):
-    """On AVX2 one kernel runs the layout at every number of rows (its
-    fp32 rate beats the dequantized-panel GEMM's there): a row's result is
-    the same alone and in calls of any size. K = 4,096: bands of 16
+    """On AVX2 the layout runs in one arithmetic at every number of rows
+    (the tile, then from 32 rows a GEMM over converted codes; both beat the
+    dequantized-panel GEMM there): a row's result is the same alone and in
+    calls of any size. K = 4,096: bands of 16
     activation rows, so 300 rows span 19 of them."""
     ops.set_cpu_path("avx2")
     try:

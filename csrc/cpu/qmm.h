@@ -117,8 +117,8 @@ inline int64_t rows16_gemv_max_rows(int bits) {
 }
 
 // AVX-512: above the GEMV, to 128 rows, the layout's GEMM runs in the GEMV's
-// arithmetic (qmm_avx512.cpp rows16_gemm; AVX2 runs its one kernel at every
-// size, qmm_avx2.cpp): a row's result is the same in
+// arithmetic (qmm_avx512.cpp rows16_gemm; AVX2 runs that arithmetic at every
+// size, qmm_avx2.cpp r16_matmul): a row's result is the same in
 // any call of up to 128 rows (decode and verify steps: 8 streams with 8
 // drafts each are 72). Its per-group fold costs ~9% more FMAs at group size
 // 32 than dequantized panels do: at 48-128 rows alike (within 3-6%, the

@@ -4,8 +4,8 @@
 // evens then odds) and up to 4 activation rows per register block; GEMM
 // with a 6x16 micro-kernel over [K][16] dequantized weight panels. The
 // row-interleaved layout (Args::rows16, what the loader repacks 4- and
-// 8-bit layers into on this path): one kernel for every number of rows,
-// see "rows16" below.
+// 8-bit layers into on this path): one arithmetic at every number of rows
+// (a tile, and a code-panel GEMM from 32 rows), see "rows16" below.
 #include "cpu/qmm_x86.h"
 
 namespace mlxfast {
@@ -171,13 +171,15 @@ inline void cvt_row8(const void* src, DType dt, int64_t off, int64_t n, float* d
 //   y = fma(b, sum of the group's x, y)
 // with x scaled as rows16_prepare scales it. Every output is the same chain
 // whatever the number of rows or the pass that computes it, and calls of
-// every size run this kernel: a row's result is the same in any call
-// (decode, verify, prefill chunks beside them). On a 2-core Zen 3 (no
+// every size run this arithmetic (the tile, or from kR16GemmMinRows rows
+// the GEMM below): a row's result is the same in any call (decode, verify,
+// prefill chunks beside them). On a 2-core Zen 3 (no
 // AVX-512), fp32, against MLX's layout: the default model's five matmul
 // shapes at one row 1.72 -> 0.84 ms; 72 to 2,048 rows 115-130 GFLOP/s
 // against the dequantized-panel GEMM's 60-67; a 1B's 8192 x 2048 at one
 // row 38 -> 79 GFLOP/s (10 -> 20 GB/s of weights).
 constexpr int kR16MM = 2;      // activation rows per pass over a block (both halves)
+constexpr int64_t kR16BandBytes = 256 << 10;  // activation rows kept in L2 per work unit
 constexpr int kR16Ahead = 64;  // words (64 bytes) of software prefetch ahead
 
 // Sums 16 lanes (lo: 0..7, hi: 8..15) in _mm512_reduce_add_ps's order.
@@ -186,6 +188,19 @@ inline float r16_reduce16(__m256 lo, __m256 hi) {
   const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
   const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+// The group sums of one row of x (fp32, unscaled), the GEMV's and the
+// GEMM's: 16 lanes over a group, then r16_reduce16.
+inline void r16_group_sums(const float* row, int64_t gs, int64_t G, float* sx) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {  // gs: a multiple of 16
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(row + k));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(row + k + 8));
+    }
+    sx[g] = r16_reduce16(lo, hi);
+  }
 }
 
 // x as fp32 rows [M][K], value k scaled by 2^-b(k % v) (b = BITS, v = 32 /
@@ -201,26 +216,16 @@ void r16_prepare_bits(const Args& a, float* rows, float* sx) {
   for (int64_t m = 0; m < M; ++m) {
     float* row = rows + m * K;
     cvt_row8(a.x, a.x_dtype, m * K, K, row);
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-      for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {  // gs: a multiple of 16
-        lo = _mm256_add_ps(lo, _mm256_loadu_ps(row + k));
-        hi = _mm256_add_ps(hi, _mm256_loadu_ps(row + k + 8));
-      }
-      sx[m * G + g] = r16_reduce16(lo, hi);
-    }
+    r16_group_sums(row, gs, G, sx + m * G);
     for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(row + k, _mm256_mul_ps(_mm256_loadu_ps(row + k), pow2));
   }
 }
 
-// a.M rows of a.x into rows [M][K] and their group sums sx [M][G].
-inline void r16_prepare_rows(const Args& a, float* rows, float* sx) {
-  if (a.bits == 8) return r16_prepare_bits<8>(a, rows, sx);
-  r16_prepare_bits<4>(a, rows, sx);
+// The tile's layout of xp: rows [M][K], then their group sums [M][G].
+inline void r16_prepare(const Args& a, float* xp) {
+  if (a.bits == 8) return r16_prepare_bits<8>(a, xp, xp + a.M * a.K);
+  r16_prepare_bits<4>(a, xp, xp + a.M * a.K);
 }
-
-// The GEMV layout of xp: rows [M][K], then sums [M][G].
-inline void r16_prepare(const Args& a, float* xp) { r16_prepare_rows(a, xp, xp + a.M * a.K); }
 
 inline void r16_store8(const Args& a, int64_t i, __m256 v) {
   if (a.x_dtype == F32) return _mm256_storeu_ps(static_cast<float*>(a.out) + i, v);
@@ -308,28 +313,164 @@ inline void r16_run_blocks(const Args& a, const float* xp, int64_t b0, int64_t b
   }
 }
 
-// Every number of rows. Work units: a run of blocks against a band of
+// The same arithmetic as a GEMM for many rows (r16_matmul picks it): a
+// block's codes at kR16KC keys are converted to floats once (q, shifted and
+// masked: with x unscaled, the same products as the tile's), then a
+// micro-tile of kR16GMR activation rows runs over them: per key one load of
+// each half, a broadcast of x per row and the FMAs, in the tile's two parity
+// chains, with the per-group fold y = fma(s, d0 + d1, y), y = fma(b, sum x,
+// y). No mask or conversion per row pass: the FMA units are what is left.
+constexpr int kR16GMR = 3;       // activation rows per micro-tile: 12 chains + 2 + 1 registers
+constexpr int64_t kR16KC = 256;  // keys per code panel (whole groups): 16 KB, L1
+
+// Block blk's codes at keys [kb, ke) as floats bp[k - kb][16], its groups'
+// scales and biases as sp, bq [group - kb / gs][16].
+template <int BITS>
+void r16_code_panel(const Args& a, int64_t blk, int64_t kb, int64_t ke, float* bp, float* sp,
+                    float* bq) {
+  constexpr int V = 32 / BITS;
+  const int64_t K = a.K, G = K / a.group_size, gs = a.group_size;
+  const __m256i qmask = _mm256_set1_epi32((1 << BITS) - 1);
+  const __m256i* w = reinterpret_cast<const __m256i*>(a.w) + blk * (K * BITS / 32) * 2;
+  for (int64_t g = kb / gs; g < ke / gs; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t p = (blk * G + g) * 16 + 8 * h;
+      const __m256 sv = load8_cvt(a.scales, a.s_dtype, p);
+      _mm256_storeu_ps(sp + (g - kb / gs) * 16 + 8 * h, sv);
+      _mm256_storeu_ps(bq + (g - kb / gs) * 16 + 8 * h,
+                       a.biases ? load8_cvt(a.biases, a.s_dtype, p)
+                                : _mm256_mul_ps(sv, _mm256_set1_ps(sym_bias(BITS))));
+    }
+    for (int64_t j = g * gs / V; j < (g + 1) * gs / V; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(w + 2 * j + h);
+        float* dst = bp + (V * j - kb) * 16 + 8 * h;
+        for (int t = 0; t < V; ++t) {
+          _mm256_storeu_ps(dst + t * 16, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, BITS * t), qmask)));
+        }
+      }
+    }
+  }
+}
+
+// Rows m0 .. m0 + mr - 1 (ap: their x, [k][kR16GMR] from the panel's first
+// key; sx: their group sums [kR16GMR][G] from its first group) over the
+// panel's ng groups. The sums continue from cs (first: zero) and go back
+// there, or to the output (last).
+inline void r16_micro(const float* ap, const float* bp, const float* sp, const float* bq,
+                      const float* sx, int64_t G, int64_t ng, int64_t gs, float* cs, bool first,
+                      bool last, const Args& a, int64_t m0, int mr, int64_t n0) {
+  constexpr int MR = kR16GMR;
+  __m256 c[MR][2];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) c[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(cs + r * 16 + 8 * h);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 d[2][MR][2];  // chains by k's parity, as the tile's
+    for (int e = 0; e < 2; ++e)
+      for (int r = 0; r < MR; ++r) d[e][r][0] = d[e][r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < gs; k += 2) {
+      for (int e = 0; e < 2; ++e) {
+        const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
+        for (int r = 0; r < MR; ++r) {
+          const __m256 x = _mm256_broadcast_ss(ap + r);
+          d[e][r][0] = _mm256_fmadd_ps(b0, x, d[e][r][0]);
+          d[e][r][1] = _mm256_fmadd_ps(b1, x, d[e][r][1]);
+        }
+        bp += 16;
+        ap += MR;
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_loadu_ps(sp + g * 16 + 8 * h), b = _mm256_loadu_ps(bq + g * 16 + 8 * h);
+      for (int r = 0; r < MR; ++r) {
+        c[r][h] = _mm256_fmadd_ps(s, _mm256_add_ps(d[0][r][h], d[1][r][h]), c[r][h]);
+        c[r][h] = _mm256_fmadd_ps(b, _mm256_broadcast_ss(sx + r * G + g), c[r][h]);
+      }
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(cs + r * 16 + 8 * h, c[r][h]);
+    return;
+  }
+  for (int r = 0; r < mr; ++r)
+    for (int h = 0; h < 2; ++h) r16_store8(a, (m0 + r) * a.N + n0 + 8 * h, c[r][h]);
+}
+
+template <int BITS>
+void r16_gemm_bits(const Args& a) {
+  constexpr int MR = kR16GMR;
+  const int64_t M = a.M, K = a.K, gs = a.group_size, G = K / gs;
+  const int64_t P = ceil_div(M, MR);
+  // The rows' x packed [P][K][MR] and their group sums [P][MR][G] (zero past M).
+  float* ap = tl_x.get(static_cast<size_t>(P * MR * (K + G)));
+  float* sxp = ap + P * MR * K;
+  const Args* pa = &a;
+  auto pack = [pa, ap, sxp, M, K, G, gs](int64_t p0, int64_t p1) {
+    float* row = tl_t.get(static_cast<size_t>(K));
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int r = 0; r < MR; ++r) {
+        const int64_t m = p * MR + r;
+        float* dst = ap + p * MR * K + r;
+        float* sx = sxp + (p * MR + r) * G;
+        if (m >= M) {
+          for (int64_t k = 0; k < K; ++k) dst[k * MR] = 0.f;
+          std::memset(sx, 0, sizeof(float) * G);
+          continue;
+        }
+        cvt_row8(pa->x, pa->x_dtype, m * K, K, row);
+        for (int64_t k = 0; k < K; ++k) dst[k * MR] = row[k];
+        r16_group_sums(row, gs, G, sx);
+      }
+    }
+  };
+  par(P, 4, pack);
+  const int64_t NB = a.N / 16;
+  const int64_t kc_max = (kR16KC / gs > 0 ? kR16KC / gs : 1) * gs;
+  int64_t pc = kR16BandBytes / (K * MR * 4);
+  if (pc < 1) pc = 1;
+  auto body = [pa, ap, sxp, K, M, G, gs, P, kc_max, pc, NB](int64_t t0, int64_t t1) {
+    const Args& a = *pa;
+    float* bp = tl_w.get(static_cast<size_t>(kc_max * 16 + 2 * (kc_max / gs) * 16));
+    float* sp = bp + kc_max * 16;
+    float* bq = sp + (kc_max / gs) * 16;
+    float* cs = K > kc_max ? tl_c.get(static_cast<size_t>(P * MR * 16)) : nullptr;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pb = (t / NB) * pc, pe = pb + pc < P ? pb + pc : P;
+      const int64_t blk = t % NB;
+      for (int64_t kb = 0; kb < K; kb += kc_max) {
+        const int64_t ke = kb + kc_max < K ? kb + kc_max : K;
+        r16_code_panel<BITS>(a, blk, kb, ke, bp, sp, bq);
+        for (int64_t p = pb; p < pe; ++p) {
+          const int mr = static_cast<int>(M - p * MR < MR ? M - p * MR : MR);
+          r16_micro(ap + (p * K + kb) * MR, bp, sp, bq, sxp + p * MR * G + kb / gs, G, (ke - kb) / gs,
+                    gs, cs ? cs + p * MR * 16 : nullptr, kb == 0, ke == K, a, p * MR, mr, blk * 16);
+        }
+      }
+    }
+  };
+  par_dynamic(ceil_div(P, pc) * NB, 1, body);
+  tl_x.trim(kKeepScratchFloats);
+}
+
+constexpr int64_t kR16UnitBlocks = 4;
+// Rows from which r16_matmul runs the code-panel GEMM: the default model's
+// shapes on a 2-core Zen 3, alternating runs (noisy): at 8 rows the tile
+// took half the GEMM's time (4.4 against 8.1-8.5 ms for the five shapes),
+// 12-48 rows even within the noise, 72 and 512 rows the GEMM 20-30% ahead
+// (90-108 against 67-84 GFLOP/s).
+constexpr int64_t kR16GemmMinRows = 32;
+
+// Every number of rows: from kR16GemmMinRows the code-panel GEMM, below it
+// the tile (the same numbers). Work units: a run of blocks against a band of
 // activation rows small enough to stay in L2 (kR16BandBytes of x) while
 // the blocks pass over it; a block's weights come from memory once per
 // band and from L1/L2 for its other passes.
-constexpr int64_t kR16BandBytes = 256 << 10;
-constexpr int64_t kR16UnitBlocks = 4;
-
 void r16_matmul(const Args& a) {
   const int64_t M = a.M, K = a.K;
+  if (M >= kR16GemmMinRows) return a.bits == 8 ? r16_gemm_bits<8>(a) : r16_gemm_bits<4>(a);
   float* xp = tl_x.get(gemv_prep_floats(a));
-  if (M >= 32) {  // the rows' preparation in parallel
-    const Args* pa = &a;
-    auto prep = [pa, xp](int64_t m0, int64_t m1) {
-      Args part = *pa;
-      part.M = m1 - m0;
-      part.x = static_cast<const char*>(pa->x) + m0 * pa->K * dtype_size(pa->x_dtype);
-      r16_prepare_rows(part, xp + m0 * pa->K, xp + pa->M * pa->K + m0 * (pa->K / pa->group_size));
-    };
-    par(M, 16, prep);
-  } else {
-    r16_prepare(a, xp);
-  }
+  r16_prepare(a, xp);
   int64_t band = kR16BandBytes / (K * 4) / kR16MM * kR16MM;
   if (band < kR16MM) band = kR16MM;
   if (band > M) band = M;
