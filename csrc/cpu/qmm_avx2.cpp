@@ -342,6 +342,7 @@ void r16_code_panel(const Args& a, int64_t blk, int64_t kb, int64_t ke, float* b
                                 : _mm256_mul_ps(sv, _mm256_set1_ps(sym_bias(BITS))));
     }
     for (int64_t j = g * gs / V; j < (g + 1) * gs / V; ++j) {
+      prefetch_stream(w + 2 * (j + kR16Ahead));  // the blocks are one stream, as for the tile
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(w + 2 * j + h);
         float* dst = bp + (V * j - kb) * 16 + 8 * h;
@@ -455,10 +456,10 @@ void r16_gemm_bits(const Args& a) {
 
 constexpr int64_t kR16UnitBlocks = 4;
 // Rows from which r16_matmul runs the code-panel GEMM: the default model's
-// shapes on a 2-core Zen 3, alternating runs (noisy): at 8 rows the tile
-// took half the GEMM's time (4.4 against 8.1-8.5 ms for the five shapes),
-// 12-48 rows even within the noise, 72 and 512 rows the GEMM 20-30% ahead
-// (90-108 against 67-84 GFLOP/s).
+// five shapes (its 8-bit head included) on a 2-core Zen 3, alternating runs
+// (noisy): the tile ahead to 16 rows (8 rows 4.4 against 5.2-5.5 ms, 16
+// rows 8.5-9.0 against 9.3-9.8), even at 24, the GEMM 20-30% ahead at 72
+// and 512 rows (90-108 against 67-84 GFLOP/s per shape).
 constexpr int64_t kR16GemmMinRows = 32;
 
 // Every number of rows: from kR16GemmMinRows the code-panel GEMM, below it
