@@ -14,8 +14,12 @@ TP moves a logit by up to 4e-4..4e-3 with float16 KV and 1e-2 with 8-bit KV
 (measured; bounded here at 0.01 and 0.05). Greedy 48-token continuations
 must be identical on at least 5 of 6 prompts (4 with 8-bit KV), and a difference may only
 start at a near-tie: where the one-process top-2 margin, with the same KV
-scheme, is below max(1e-3, twice what TP moves a logit by with that scheme)
-(measured once: Gemma 3, 8-bit KV, a margin of 0.003 against 0.013).
+scheme, is below twice what TP moved the teacher-forced prompt's logits by
+with that scheme, or below the scheme's floor: 1e-3 for float16 KV, 1e-2
+for 8-bit KV (what its code steps move a logit by; the teacher-forced prompt
+may meet none: measured once, Gemma 3, 8-bit KV, a margin of 0.003 against
+0.013; and the 4-bit model on AVX2, 8-bit KV, a margin of 0.0035 where the
+teacher-forced prompt moved 8.6e-6).
 
 The default model (9 query heads, 3 KV heads) does not divide by 2 (its
 refusal: tests/test_tp_shard.py and tests/test_tp_server.py); over 3 ranks
@@ -88,8 +92,14 @@ def test_greedy_continuations_match_one_process(results, name, kv):
     assert same >= (5 if kv == "off" else 4), r["differences"]
     moved = r["scheme_logit_diff"][kv]  # the most TP moves a teacher-forced logit with this KV scheme
     assert moved <= (0.01 if kv == "off" else 0.05), moved
+    # A near-tie: below twice what TP moved the teacher-forced prompt, and
+    # below what the scheme is measured to move a logit anywhere (float16:
+    # 1e-3; 8-bit KV: 1e-2, its code steps, which one teacher-forced prompt
+    # need not meet: q4 on AVX2 once flipped at a margin of 0.0035 where that
+    # prompt moved 8.6e-6).
+    floor = 1e-3 if kv == "off" else 1e-2
     for prompt, at, margin in r["differences"].get(kv, []):
-        assert margin < max(1e-3, 2 * moved), \
+        assert margin < max(floor, 2 * moved), \
             f"prompt {prompt} differs at token {at} where the top-2 margin is {margin} (TP moves logits {moved})"
 
 
