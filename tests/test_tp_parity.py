@@ -92,7 +92,7 @@ def test_greedy_continuations_match_one_process(results, name, kv):
     assert same >= (5 if kv == "off" else 4), r["differences"]
     moved = r["scheme_logit_diff"][kv]  # the most TP moves a teacher-forced logit with this KV scheme
     assert moved <= (0.01 if kv == "off" else 0.05), moved
-    # A near-tie: below twice what TP moved the teacher-forced prompt, and
+    # A near-tie: below twice what TP moved the teacher-forced prompt, or
     # below what the scheme is measured to move a logit anywhere (float16:
     # 1e-3; 8-bit KV: 1e-2, its code steps, which one teacher-forced prompt
     # need not meet: q4 on AVX2 once flipped at a margin of 0.0035 where that

@@ -173,7 +173,7 @@ inline void cvt_row8(const void* src, DType dt, int64_t off, int64_t n, float* d
 // whatever the number of rows or the pass that computes it, and calls of
 // every size run this arithmetic (the tile, or from kR16GemmMinRows rows
 // the GEMM below): a row's result is the same in any call (decode, verify,
-// prefill chunks beside them). On a 2-core Zen 3 (no
+// prefill chunks beside them). The tile alone on a 2-core Zen 3 (no
 // AVX-512), fp32, against MLX's layout: the default model's five matmul
 // shapes at one row 1.72 -> 0.84 ms; 72 to 2,048 rows 115-130 GFLOP/s
 // against the dequantized-panel GEMM's 60-67; a 1B's 8192 x 2048 at one
