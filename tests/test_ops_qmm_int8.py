@@ -173,7 +173,7 @@ np.save(sys.argv[1], np.concatenate(out))
 """
 
 
-@pytest.mark.skipif(ops.int8_activations_unsupported() != "",
+@pytest.mark.skipif(ops.int8_activations_layout() != "mlx",
                     reason="no VNNI int8 kernel on this CPU")
 def test_gfni_and_shift_and_mask_agree_bit_for_bit(tmp_path):
     # The 4-bit GEMV takes each byte's high nibble with one GFNI instruction
@@ -214,8 +214,80 @@ def test_support_query_names_what_the_cpu_lacks():
                 flags = set(line.split(":", 1)[1].split())
                 break
     msg = ops.int8_activations_unsupported()
-    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
-    if need <= flags:
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    if ops.cpu_path() in ("avx2", "avx512"):
         assert msg == ""
+        # VNNI reads MLX's layout; AVX2 (and AVX-512 without VNNI) the rows16 one.
+        want = "mlx" if ops.cpu_path() == "avx512" and vnni else "rows16"
+        assert ops.int8_activations_layout() == want
     elif flags:
-        assert "avx512" in msg and "lacks" in msg
+        assert ops.int8_activations_layout() == ""
+        assert ("portable" in msg) if avx2 else ("avx2" in msg and "lacks" in msg)
+
+
+# The row-interleaved layout (ops.pack_rows16): what the loader packs int8
+# layers into on the AVX2 path (ops.int8_activations_layout() == "rows16").
+# The AVX2 kernel (maddubs) and the portable one read it.
+def packed16(N, K, group_size, bits, with_biases, sdtype=mx.float16, seed=0):
+    wq, s, b = make_weights(N, K, group_size, bits, sdtype, seed)
+    b = b if with_biases else None
+    return (wq, s, b), ops.pack_rows16(wq, s, b)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 40, 131])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("with_biases", [True, False], ids=["biases", "symmetric"])
+def test_rows16_kernel_matches_int8_reference(path, M, bits, group_size, with_biases):
+    K = 384 if group_size == 128 else 320
+    (wq, s, b), pw = packed16(48, K, group_size, bits, with_biases, seed=M)
+    x = mx.random.normal((M, K)) * mx.random.uniform(0.1, 4.0, (M, 1))
+    got = _ext.quantized_matmul_direct(x, pw[0], pw[1], pw[2], group_size=group_size, bits=bits,
+                                       int8=True, path=path)
+    err = rel_err(got, x, wq, s, b, group_size, bits)
+    assert np.isfinite(err) and err <= TOL, err
+
+
+@pytest.mark.parametrize("sdtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("xdtype", [mx.float16, mx.bfloat16])
+def test_rows16_dtypes(sdtype, xdtype):
+    (wq, s, b), pw = packed16(32, 256, 64, 4, True, sdtype=sdtype)
+    x = (mx.random.normal((5, 256)) * 2).astype(xdtype)
+    got = ops.quantized_matmul(x, *pw, group_size=64, bits=4, activations="int8")
+    assert got.dtype == xdtype
+    want = ops.quantized_matmul_int8_reference(x.astype(mx.float32), wq, s, b, group_size=64, bits=4)
+    assert mx.allclose(got.astype(mx.float32), want, rtol=1e-2, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows16_extreme_codes_do_not_saturate(path, bits):
+    # The integer sums at their bounds: every code 0 or 2^bits - 1 against
+    # activations of one sign at full scale (4 bits: 16 products of 15 * 127
+    # in an int16 lane; 8 bits: pairs of 128 * 127 in vpmaddubsw).
+    N, K = 16, 256
+    for fill in (0, 0xFFFFFFFF):
+        wq = mx.full((N, K * bits // 32), fill, dtype=mx.uint32)
+        s = mx.ones((N, K // 32), dtype=mx.float16)
+        b = mx.full((N, K // 32), -3.0, dtype=mx.float16)
+        pw = ops.pack_rows16(wq, s, b)
+        for sign in (1.0, -1.0):
+            x = mx.full((3, K), sign)
+            got = ops.quantized_matmul(x, *pw, group_size=32, bits=bits, activations="int8")
+            code = 0 if fill == 0 else (1 << bits) - 1
+            want = sign * K * (code - 3.0)
+            assert mx.array_equal(got, mx.full((3, N), want)).item(), (fill, sign, got[0, 0].item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows16_rows_do_not_depend_on_their_call(bits):
+    # One chain per output over the blocks, at every number of rows: a row
+    # gives the same bits alone, among a few (decode, verify) and in a
+    # prefill-sized call, wherever it sits.
+    (_, _, _), pw = packed16(64, 576, 32, bits, True)
+    x = mx.random.normal((300, 576))
+    kw = dict(group_size=32, bits=bits, activations="int8")
+    full = ops.quantized_matmul(x, *pw, **kw)
+    for n in (1, 2, 3, 4, 5, 8, 13, 64, 299):
+        part = ops.quantized_matmul(x[300 - n:], *pw, **kw)
+        assert mx.array_equal(part, full[300 - n:]).item(), n

@@ -163,8 +163,6 @@ def test_fused_pieces_and_reference():
 def test_bad_input():
     (wq, s, b), (pw, ps, pb) = packed(32, 128, 32, mx.float16)
     x = mx.ones((1, 128))
-    with pytest.raises(ValueError, match="int8 activations need w in MLX's layout"):
-        ops.quantized_matmul(x, pw, ps, pb, group_size=32, bits=4, activations="int8")
     with pytest.raises(ValueError, match="4- or 8-bit only"):
         ops.quantized_matmul(x, pw, ps, pb, group_size=32, bits=6)
     with pytest.raises(ValueError, match="shape mismatch"):  # 4-bit words read as 8-bit
@@ -217,16 +215,19 @@ def test_the_default_model_loads_packed_and_computes_the_same(default_model):
     assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
 
 
-@pytest.mark.skipif(ops.cpu_path() != "avx512", reason="int8 activations run on the AVX-512 path only")
-def test_int8_activations_keep_the_head_packed(default_model):
-    """int8 activations unpack the block projections (their kernels read
-    MLX's layout) and leave the fp32 ones packed; fp32 again repacks all."""
+@pytest.mark.skipif(ops.cpu_path() not in ROWS16_PATHS,
+                    reason="the layout is packed only on the AVX-512 and AVX2 paths")
+def test_int8_activations_pack_as_their_kernel_reads(default_model):
+    """int8 activations put the block projections in the layout their kernel
+    reads (VNNI: MLX's; AVX2: the row-interleaved one) and leave the fp32
+    ones packed; fp32 again repacks all."""
     m = default_model
     heads = [l for n, l in _quantized(m) if l.activations == "fp32" and l.bits in (4, 8)]
+    int8_rows16 = ops.int8_activations_layout() == "rows16"
     try:
         assert set_matmul_activations(m, "int8") > 0
         for _, l in _quantized(m):
-            assert (l["weight"].ndim == 3) == (l.activations == "fp32" and l.bits in (4, 8))
+            assert (l["weight"].ndim == 3) == (l.bits in (4, 8) and (l.activations == "fp32" or int8_rows16))
     finally:
         set_matmul_activations(m, "fp32")
     assert all(l["weight"].ndim == 3 for l in heads)

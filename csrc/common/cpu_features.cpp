@@ -114,29 +114,34 @@ bool cpu_has_gfni() {
 
 std::string int8_acts_unsupported() {
 #if defined(MLXFAST_X86)
-  if (cpu_has_avx512_vnni()) {
-    const CpuPath p = cpu_path();
-    if (p == CpuPath::Avx512) return "";
-    return std::string("int8 activations run on the avx512 kernel path; the CPU path in use is '") +
-           cpu_path_name(p) + "' (MLXFAST_CPU_PATH).";
+  // AVX-512 with VNNI: its kernel over MLX's layout; AVX2, or AVX-512
+  // without VNNI: the AVX2 kernel over the row-interleaved layout.
+  const CpuPath p = cpu_path();
+  if (p == CpuPath::Avx512 || p == CpuPath::Avx2) return "";
+  if (cpu_supports(CpuPath::Avx2)) {
+    return std::string("int8 activations run on the avx2 and avx512 kernel paths; the CPU path in "
+                       "use is '") + cpu_path_name(p) + "' (MLXFAST_CPU_PATH).";
   }
   std::string missing;
   auto lacks = [&missing](bool has, const char* f) {
     if (!has) missing += (missing.empty() ? "" : ", ") + std::string(f);
   };
-  lacks(__builtin_cpu_supports("avx512f"), "avx512f");
-  lacks(__builtin_cpu_supports("avx512bw"), "avx512bw");
-  lacks(__builtin_cpu_supports("avx512vl"), "avx512vl");
-  lacks(__builtin_cpu_supports("avx512dq"), "avx512dq");
-  lacks(__builtin_cpu_supports("avx512vnni"), "avx512vnni");
+  __builtin_cpu_init();
+  lacks(__builtin_cpu_supports("avx2"), "avx2");
   lacks(__builtin_cpu_supports("fma"), "fma");
-  return "int8 activations need AVX-512 VNNI (avx512f, avx512bw, avx512vl, avx512dq and "
-         "avx512vnni); this CPU lacks " + missing + ".";
+  lacks(__builtin_cpu_supports("f16c"), "f16c");
+  return "int8 activations need AVX2 (avx2, fma and f16c) or AVX-512 VNNI; this CPU lacks " +
+         missing + ".";
 #elif defined(MLXFAST_ARM64)
-  return "int8 activations have no NEON dot-product kernel yet (x86 AVX-512 VNNI only).";
+  return "int8 activations have no NEON dot-product kernel yet (x86 AVX2 and AVX-512 only).";
 #else
-  return "int8 activations need an x86 CPU with AVX-512 VNNI.";
+  return "int8 activations need an x86 CPU with AVX2 or AVX-512 VNNI.";
 #endif
+}
+
+std::string int8_acts_layout() {
+  if (!int8_acts_unsupported().empty()) return "";
+  return int8_vnni_on(cpu_path()) ? "mlx" : "rows16";
 }
 
 const char* cpu_path_name(CpuPath path) {

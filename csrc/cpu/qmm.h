@@ -162,6 +162,9 @@ void run_avx512(const Args& a);
 void run_int8_portable(const Args& a);
 #if defined(MLXFAST_X86)
 void run_int8_avx512vnni(const Args& a);
+// a.rows16 too (bits 4 or 8), every M: qmm_int8_rows16_avx2.cpp (AVX2:
+// also what a CPU without VNNI runs on the AVX-512 path).
+void run_int8_rows16_avx2(const Args& a);
 #endif
 #if defined(MLXFAST_ARM64)
 void run_neon(const Args& a);
@@ -189,7 +192,9 @@ constexpr int64_t kInt8GemvMaxRows = 7;
 // layout also fits in.
 inline size_t gemv_prep_floats(const Args& a) {
   auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
-  if (a.rows16) return static_cast<size_t>(up(a.M * a.K + a.M * (a.K / a.group_size) + 16, 16));
+  if (a.rows16 && !a.int8_acts) {
+    return static_cast<size_t>(up(a.M * a.K + a.M * (a.K / a.group_size) + 16, 16));
+  }
   if (!a.int8_acts) return static_cast<size_t>(up((a.M + 1) * a.K, 16));
   const int64_t Kp = up(a.K, 128);
   return static_cast<size_t>(up(a.M * Kp / 4, 16) + a.M * (Kp / 4 + up(a.K / kActBlock, 16)));

@@ -89,20 +89,6 @@ inline void gemv_tile(const GemvCtx& c, int64_t m0, int64_t n, const float* sc,
   }
 }
 
-inline __m256 load8_cvt(const void* p, DType dt, int64_t i) {
-  switch (dt) {
-    case F32: return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-    case F16:
-      return _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
-    default:
-      return _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i))),
-          16));
-  }
-}
-
 // Dense weights (bits == 0): y[m0 + m][n + r] = x[m] . w[n + r], 8 values
 // at a time, scalar tail (any K).
 template <int MM, int R>

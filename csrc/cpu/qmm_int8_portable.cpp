@@ -1,5 +1,5 @@
 // Portable C++ int8-activation quantized matmul (Args::int8_acts): any bits
-// in 2..8, any CPU. Same math as the VNNI kernel: activations quantized by
+// in 2..8 (the row-interleaved layout, Args::rows16: 4 and 8), any CPU. Same math as the VNNI kernel: activations quantized by
 // quantize_block, integer dot products per 32-value block, then
 //   y += scale * (d * isum) + bias * (d * sum(xq))
 // in fp32. The correctness reference for the SIMD int8 path and its
@@ -53,7 +53,9 @@ void gemv_block_int8_portable(const Args& a, const float* xp, int64_t n0, int64_
   int32_t* q = reinterpret_cast<int32_t*>(tl_w.get(static_cast<size_t>(K)));
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
-    for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int32_t>(unpack_value(row, k, a.bits));
+    for (int64_t k = 0; k < K; ++k) {
+      q[k] = static_cast<int32_t>(a.rows16 ? rows16_code(a, n, k) : unpack_value(row, k, a.bits));
+    }
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.0f;
       for (int64_t b = 0; b < B; ++b) {
@@ -61,9 +63,9 @@ void gemv_block_int8_portable(const Args& a, const float* xp, int64_t n0, int64_
         const int32_t* qb = q + b * kActBlock;
         int32_t isum = 0;
         for (int64_t i = 0; i < kActBlock; ++i) isum += qb[i] * static_cast<int32_t>(xb[i]);
-        const int64_t g = b / bpg;
-        const float s = load_f32(a.scales, a.s_dtype, n * G + g);
-        const float bi = a.biases ? load_f32(a.biases, a.s_dtype, n * G + g) : sym_bias(a.bits) * s;
+        const int64_t g = b / bpg, pi = a.rows16 ? rows16_param(a, n, g) : n * G + g;
+        const float s = load_f32(a.scales, a.s_dtype, pi);
+        const float bi = a.biases ? load_f32(a.biases, a.s_dtype, pi) : sym_bias(a.bits) * s;
         acc += s * (p.d[m * B + b] * static_cast<float>(isum)) + bi * p.sx[m * B + b];
       }
       store_f32(a.out, a.x_dtype, m * N + n, acc);

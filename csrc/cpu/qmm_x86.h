@@ -35,6 +35,21 @@ thread_local Scratch tl_w;  // every thread: scales/biases, weight panel
 thread_local Scratch tl_t;  // every thread: small row temporaries
 thread_local Scratch tl_c;  // every thread: fp32 partial sums across k blocks
 
+// 8 scales (or biases) of dtype dt from p[i] as fp32.
+inline __m256 load8_cvt(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case F32: return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+    case F16:
+      return _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+    default:
+      return _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i))),
+          16));
+  }
+}
+
 constexpr int kGemvRowBlock = 16;  // weight rows per GEMV task unit (L1-resident)
 static_assert(kGemvRowBlock == kGemvBlockRows, "gemv_block_<isa> takes a row block");
 

@@ -169,10 +169,13 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 void run_qmm(const qmm::Args& a, CpuPath path) {
   if (a.rows16) {  // the row-interleaved layout: the x86 paths' kernels, else the portable ones
 #if defined(MLXFAST_X86)
+    if (a.int8_acts && (path == CpuPath::Avx2 || path == CpuPath::Avx512)) {
+      return qmm::run_int8_rows16_avx2(a);
+    }
     if (path == CpuPath::Avx512) return qmm::run_avx512(a);
     if (path == CpuPath::Avx2) return qmm::run_avx2(a);
 #endif
-    return qmm::run_portable(a);
+    return a.int8_acts ? qmm::run_int8_portable(a) : qmm::run_portable(a);
   }
   if (a.int8_acts) {
 #if defined(MLXFAST_X86)
@@ -217,7 +220,6 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w,
     if (bits != 4 && bits != 8) {
       fail("the row-interleaved layout (3-D w) is 4- or 8-bit only, got bits=" + std::to_string(bits) + ".");
     }
-    if (int8_acts) fail("int8 activations need w in MLX's layout (2-D), not the row-interleaved one.");
     if (w.shape(2) != 16 || scales.ndim() != 3 || biases.ndim() != 3) {
       std::ostringstream m;
       m << "a row-interleaved w must be [N / 16, K * bits / 32, 16] with scales and biases [N / 16, "
@@ -270,8 +272,8 @@ mx::array quantized_matmul_direct(const mx::array& x_in, const mx::array& w_in,
                                   int group_size, int bits, bool int8_acts,
                                   const std::string& path_name) {
   if (x_in.ndim() != 2 || x_in.dtype() != mx::float32) fail("direct: x must be 2-D float32.");
-  if (w_in.ndim() == 3 && (bits != 4 || int8_acts || w_in.shape(2) != 16 || s_in.ndim() != 3)) {
-    fail("direct: a 3-D (row-interleaved) w is 4-bit, fp32 activations, with 3-D scales.");
+  if (w_in.ndim() == 3 && ((bits != 4 && bits != 8) || w_in.shape(2) != 16 || s_in.ndim() != 3)) {
+    fail("direct: a 3-D (row-interleaved) w is 4- or 8-bit, with 3-D scales.");
   }
   mx::array x = mx::contiguous(x_in), w = mx::contiguous(w_in), sc = mx::contiguous(s_in);
   std::vector<mx::array> ev = {x, w, sc};

@@ -108,20 +108,24 @@ ROWS16_PATHS = ("avx512", "avx2")
 def pack_rows16(model: nn.Module) -> int:
     """Repack the 4- and 8-bit projections of ``model`` (QuantizedLinear,
     QuantizedEmbedding, whose lookup reads it too, and the MoE experts'
-    stacked ones; fp32 activations, rows a multiple of 16) into the
-    row-interleaved layout
+    stacked ones; rows a multiple of 16) into the row-interleaved layout
     (``ops.pack_rows16``) where ops run on the CPU's AVX-512 or AVX2 path,
     whose kernels read it with rows in the lanes of a vector (csrc/cpu/qmm.h,
     ``Args::rows16``): the same bytes in another order, the layer's calls
-    unchanged. Elsewhere nothing changes. Returns how many layers were
-    packed. Code that slices a layer's weight (models/shard.py) calls
+    unchanged. Layers with int8 activations are packed only where the int8
+    kernel reads this layout (``ops.int8_activations_layout()``: AVX2, and
+    AVX-512 without VNNI; the MoE experts' int8 kernels read MLX's layout
+    only). Elsewhere nothing changes. Returns how many layers were packed.
+    Code that slices a layer's weight (models/shard.py) calls
     :func:`unpack_rows16` first."""
     if not (ops.on_cpu(None) and ops.cpu_path() in ROWS16_PATHS):
         return 0
+    int8_rows16 = ops.int8_activations_layout() == "rows16"
     n = 0
     for _, layer in model.named_modules():
         stacked = _packable(layer)
-        if (stacked is not None and layer.activations == "fp32"
+        if (stacked is not None
+                and (layer.activations == "fp32" or (int8_rows16 and not stacked))
                 and layer["weight"].ndim == (3 if stacked else 2)
                 and ops.can_pack_rows16(layer["weight"], layer.bits)):
             _set_weights(layer, ops.pack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
@@ -301,7 +305,7 @@ def set_matmul_activations(model: nn.Module, mode: str) -> int:
         if missing:
             raise ValueError(f"--matmul-activations int8: {missing}")
     n = 0
-    unpack_rows16(model)  # the int8 kernels read MLX's layout; fp32 layers are repacked below
+    unpack_rows16(model)  # repacked below, each layer as its kernel reads it
     for path, layer in model.named_modules():
         # The quantized projections: QuantizedLinear, QuantizedEmbedding and
         # moe.QuantizedSwitchLinear (which imports this module) carry both.
@@ -311,7 +315,7 @@ def set_matmul_activations(model: nn.Module, mode: str) -> int:
             layer.activations = "int8" if on else "fp32"
             n += on
     model.matmul_activations = mode
-    pack_rows16(model)  # the fp32 layers' layout, where the CPU path reads it
+    pack_rows16(model)
     return n
 
 

@@ -21,8 +21,8 @@ from .activation import (ACTS, gelu_mul, gelu_mul_halves, gelu_mul_halves_refere
 from .attention import (has_native_paged_attention, kv_write, kv_write_pair,
                         kv_write_pair_reference, kv_write_reference, paged_attention,
                         paged_attention_reference, paged_gather_reference)
-from .dispatch import (cpu_path, cpu_supports, int8_activations_unsupported, num_threads, on_cpu,
-                       set_cpu_path)
+from .dispatch import (cpu_path, cpu_supports, int8_activations_layout,
+                       int8_activations_unsupported, num_threads, on_cpu, set_cpu_path)
 from .kvquant import (KVQuantFormat, has_native_kv_quant, kv_quant_dequant,
                       kv_quant_dequant_reference, kv_quant_encode, kv_quant_encode_reference,
                       kv_quant_paged_attention, kv_quant_paged_attention_reference)
@@ -39,7 +39,8 @@ __all__ = [
     "ACTS", "KVQuantFormat", "can_pack_rows16", "cpu_path", "cpu_supports", "dense_matmul", "dense_matmul_reference",
     "dequantize_rows", "dequantize_rows_reference", "fake_quantize_activations_int8", "gelu_mul", "gelu_mul_halves",
     "gelu_mul_halves_reference", "gelu_mul_reference", "has_native_kv_quant",
-    "has_native_paged_attention", "int8_activations_unsupported", "kv_quant_dequant", "kv_quant_dequant_reference",
+    "has_native_paged_attention", "int8_activations_layout", "int8_activations_unsupported",
+    "kv_quant_dequant", "kv_quant_dequant_reference",
     "kv_quant_encode", "kv_quant_encode_reference", "kv_quant_paged_attention",
     "kv_quant_paged_attention_reference", "kv_write", "kv_write_pair", "kv_write_pair_reference",
     "kv_write_reference", "moe_experts", "moe_experts_reference", "moe_route",

@@ -36,9 +36,16 @@ def set_cpu_path(name: str = "") -> None:
 
 
 def int8_activations_unsupported() -> str:
-    """``""`` where this CPU runs the int8-activation matmul natively (AVX-512
-    VNNI); otherwise a sentence naming what the CPU lacks."""
+    """``""`` where this CPU runs the int8-activation matmul natively (the
+    AVX2 or AVX-512 path); otherwise a sentence naming what is missing."""
     return _ext.int8_activations_unsupported()
+
+
+def int8_activations_layout() -> str:
+    """The weight layout the native int8-activation kernel reads: ``"mlx"``
+    (AVX-512 VNNI) or ``"rows16"`` (AVX2, and AVX-512 without VNNI, see
+    ``pack_rows16``); ``""`` where there is none."""
+    return _ext.int8_activations_layout()
 
 
 def cpu_supports(name: str) -> bool:
