@@ -209,6 +209,10 @@ void gemv_block_int8_portable(const Args& a, const float* xp, int64_t n0, int64_
 #if defined(MLXFAST_X86)
 void gemv_prepare_int8_avx512vnni(const Args& a, float* xp);
 void gemv_block_int8_avx512vnni(const Args& a, const float* xp, int64_t n0, int64_t n1);
+// a.rows16 (whole 16-row blocks, n0 and n1 multiples of 16): the AVX2 int8
+// kernel's pieces (qmm_int8_rows16_avx2.cpp), the MoE experts' GEMV.
+void gemv_prepare_int8_rows16_avx2(const Args& a, float* xp);
+void gemv_block_int8_rows16_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1);
 #endif
 #if defined(MLXFAST_X86)
 void gemv_prepare_avx2(const Args& a, float* xp);

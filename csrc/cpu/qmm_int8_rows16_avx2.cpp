@@ -41,7 +41,8 @@ constexpr int64_t kUnitBlocks = 4;            // 16-row blocks per work unit
 constexpr int kAhead = 64;                    // words of software prefetch ahead
 
 // The prepared activations of a.M rows: xq [M][K] int8 (word byte order),
-// then per row and 32-value block d, d * sum(xq) (fp32) and sum(xq) (int32).
+// then per row and 32-value block d, d * sum(xq) (fp32) and sum(xq) (int32);
+// gemv_prep_floats(a) (the int8 kernels' bound) holds them.
 struct Prep {
   const int8_t* xq;
   const float* d;
@@ -49,11 +50,6 @@ struct Prep {
   const int32_t* xs;
   int64_t B;
 };
-
-size_t prep_floats(const Args& a) {
-  const int64_t B = a.K / kActBlock;
-  return static_cast<size_t>(ceil_div(a.M * a.K, 4) + 3 * a.M * B + 16);
-}
 
 Prep prep_at(const Args& a, float* buf) {
   const int64_t B = a.K / kActBlock;
@@ -223,9 +219,19 @@ void blocks(const Args& a, const Prep& p, int64_t b0, int64_t b1, int64_t m_begi
 
 } // namespace
 
+void gemv_prepare_int8_rows16_avx2(const Args& a, float* xp) {
+  const Prep p = prep_at(a, xp);
+  a.bits == 8 ? prepare_rows<8>(a, p, 0, a.M) : prepare_rows<4>(a, p, 0, a.M);
+}
+
+void gemv_block_int8_rows16_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1) {
+  const Prep p = prep_at(a, const_cast<float*>(xp));
+  a.bits == 8 ? blocks<8>(a, p, n0 / 16, n1 / 16, 0, a.M) : blocks<4>(a, p, n0 / 16, n1 / 16, 0, a.M);
+}
+
 void run_int8_rows16_avx2(const Args& a) {
   const int64_t M = a.M, K = a.K;
-  float* buf = tl_x.get(prep_floats(a));
+  float* buf = tl_x.get(gemv_prep_floats(a));
   const Prep p = prep_at(a, buf);
   const Args* pa = &a;
   auto prep = [pa, &p](int64_t m0, int64_t m1) {

@@ -114,9 +114,13 @@ struct GemvFns {
 GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts, bool rows16) {
   if (rows16) {  // as quantized_matmul runs the layout
 #if defined(MLXFAST_X86)
+    if (int8_acts && (path == CpuPath::Avx2 || path == CpuPath::Avx512)) {
+      return {qmm::gemv_prepare_int8_rows16_avx2, qmm::gemv_block_int8_rows16_avx2};
+    }
     if (path == CpuPath::Avx512) return {qmm::gemv_prepare_avx512, qmm::gemv_block_avx512};
     if (path == CpuPath::Avx2) return {qmm::gemv_prepare_avx2, qmm::gemv_block_avx2};
 #endif
+    if (int8_acts) return {qmm::gemv_prepare_int8_portable, qmm::gemv_block_int8_portable};
     return {qmm::gemv_prepare_portable, qmm::gemv_block_portable};
   }
   if (int8_acts) {
@@ -534,9 +538,7 @@ mx::array moe_experts(const mx::array& x_in, const mx::array& inds, const mx::ar
     if (up.w.ndim() != 4 || down.w.ndim() != 4) {
       fail(op, "the three projections must share a layout (all 3-D, or all 4-D row-interleaved).");
     }
-    if ((bits != 4 && bits != 8) || int8_acts) {
-      fail(op, "row-interleaved (4-D) expert weights are 4- or 8-bit with fp32 activations.");
-    }
+    if (bits != 4 && bits != 8) fail(op, "row-interleaved (4-D) expert weights are 4- or 8-bit.");
   } else if (gate.w.ndim() != 3 || up.w.ndim() != 3 || down.w.ndim() != 3) {
     fail(op, "expert weights must be 3-D [E, out, in] (stacked), or 4-D row-interleaved.");
   }

@@ -114,8 +114,8 @@ def pack_rows16(model: nn.Module) -> int:
     ``Args::rows16``): the same bytes in another order, the layer's calls
     unchanged. Layers with int8 activations are packed only where the int8
     kernel reads this layout (``ops.int8_activations_layout()``: AVX2, and
-    AVX-512 without VNNI; the MoE experts' int8 kernels read MLX's layout
-    only). Elsewhere nothing changes. Returns how many layers were packed.
+    AVX-512 without VNNI). Elsewhere nothing changes. Returns how many
+    layers were packed.
     Code that slices a layer's weight (models/shard.py) calls
     :func:`unpack_rows16` first."""
     if not (ops.on_cpu(None) and ops.cpu_path() in ROWS16_PATHS):
@@ -125,7 +125,7 @@ def pack_rows16(model: nn.Module) -> int:
     for _, layer in model.named_modules():
         stacked = _packable(layer)
         if (stacked is not None
-                and (layer.activations == "fp32" or (int8_rows16 and not stacked))
+                and (layer.activations == "fp32" or int8_rows16)
                 and layer["weight"].ndim == (3 if stacked else 2)
                 and ops.can_pack_rows16(layer["weight"], layer.bits)):
             _set_weights(layer, ops.pack_rows16(layer["weight"], layer["scales"], layer.get("biases")))
