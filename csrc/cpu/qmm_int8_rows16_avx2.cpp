@@ -3,12 +3,13 @@
 // maddubs arithmetic for CPUs without VNNI. Entered on the AVX2 path (and
 // the AVX-512 path of a CPU without VNNI), every number of rows.
 //
-// Why: in fp32 the rows16 tile converts every 4-bit value to a float
-// (vcvtdq2ps), and on a Zen 3 that conversion, not memory, bounds the
-// decode GEMV (one core: 13-14 GB/s of weights; a 1B's step is 83% that
-// tile). Here the codes stay bytes: vpmaddubsw multiplies 32 unsigned codes
-// by 32 int8 activations and adds pairs into int16 lanes, so a row's
-// 32-value block sum is exact in integers and converted once.
+// Why: the fp32 rows16 tile masks, converts (vcvtdq2ps) and multiplies
+// every 4-bit value on its own, and on a Zen 3 that work, not memory, bounds
+// the decode GEMV (one core: 13-14 GB/s of weights whether they sit in L2,
+// L3 or DRAM; a 1B's decode step is 83% that tile). Here the codes stay
+// bytes: vpmaddubsw multiplies 32 unsigned codes by 32 int8 activations and
+// adds pairs into int16 lanes, so a row's 32-value block sum is exact in
+// integers and converted once.
 //
 // Activations: quantize_block's numbers per 32 values (d = max|x| / 127),
 // stored per word in the byte order of the codes: 4 bits, a 32-bit lane
@@ -24,7 +25,7 @@
 //           <= 2 * 128 * 127 < 2^15), vpmaddwd per word, + 128 * sum(xq);
 // then, per output, one chain over the blocks in order:
 //   y = fma(float(isum) * d, scale, y);  y = fma(bias, d * sum(xq), y)
-// (the portable int8 kernel's formula; rounding order is this kernel's,
+// (the portable int8 kernel's terms; the rounding order is this kernel's,
 // held to the pure-MLX reference by tests). The chain does not depend on
 // how many rows a call has or which pass computes a row: rows give the same
 // bits alone, as verify rows or in a prefill chunk.
@@ -35,10 +36,10 @@ namespace qmm {
 
 namespace {
 
-constexpr int kMM = 2;                        // activation rows per pass (registers)
-constexpr int64_t kBandBytes = 256 << 10;     // int8 activation rows kept in L2 per unit
-constexpr int64_t kUnitBlocks = 4;            // 16-row blocks per work unit
-constexpr int kAhead = 64;                    // words of software prefetch ahead
+constexpr int kMM = 2;  // activation rows per pass over both halves of a block (registers)
+constexpr int64_t kBandBytes = 256 << 10;  // int8 activation rows kept in L2 per unit
+constexpr int64_t kUnitBlocks = 4;         // 16-row blocks per work unit
+constexpr int kAhead = 64;                 // words of software prefetch ahead
 
 // The prepared activations of a.M rows: xq [M][K] int8 (word byte order),
 // then per row and 32-value block d, d * sum(xq) (fp32) and sum(xq) (int32);
