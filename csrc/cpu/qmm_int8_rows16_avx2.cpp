@@ -5,8 +5,8 @@
 //
 // Why: the fp32 rows16 tile masks, converts (vcvtdq2ps) and multiplies
 // every 4-bit value on its own, and on a Zen 3 that work, not memory, bounds
-// the decode GEMV (one core: 13-14 GB/s of weights whether they sit in L2,
-// L3 or DRAM; a 1B's decode step is 83% that tile). Here the codes stay
+// the decode GEMV (one core: 12-14 GB/s of weights whether they sit in L3
+// or DRAM; a 1B's decode step is 83% that tile). Here the codes stay
 // bytes: vpmaddubsw multiplies 32 unsigned codes by 32 int8 activations and
 // adds pairs into int16 lanes, so a row's 32-value block sum is exact in
 // integers and converted once.
@@ -45,18 +45,18 @@ constexpr int kAhead = 64;                 // words of software prefetch ahead
 // then per row and 32-value block d, d * sum(xq) (fp32) and sum(xq) (int32);
 // gemv_prep_floats(a) (the int8 kernels' bound) holds them.
 struct Prep {
-  const int8_t* xq;
-  const float* d;
-  const float* sxd;
-  const int32_t* xs;
+  int8_t* xq;
+  float* d;
+  float* sxd;
+  int32_t* xs;
   int64_t B;
 };
 
 Prep prep_at(const Args& a, float* buf) {
   const int64_t B = a.K / kActBlock;
   float* d = buf + ceil_div(a.M * a.K, 4);
-  return {reinterpret_cast<const int8_t*>(buf), d, d + a.M * B,
-          reinterpret_cast<const int32_t*>(d + 2 * a.M * B), B};
+  return {reinterpret_cast<int8_t*>(buf), d, d + a.M * B, reinterpret_cast<int32_t*>(d + 2 * a.M * B),
+          B};
 }
 
 // One 32-value block of row m from value k0, quantize_block's numbers
@@ -107,13 +107,13 @@ template <int BITS>
 void prepare_rows(const Args& a, const Prep& p, int64_t m0, int64_t m1) {
   const int64_t K = a.K, B = p.B;
   for (int64_t m = m0; m < m1; ++m) {
-    int8_t* xq = const_cast<int8_t*>(p.xq) + m * K;
+    int8_t* xq = p.xq + m * K;
     for (int64_t b = 0; b < B; ++b) {
       int32_t is;
       const float d = quantize32<BITS>(a, m * K + b * kActBlock, xq + b * kActBlock, &is);
-      const_cast<float*>(p.d)[m * B + b] = d;
-      const_cast<float*>(p.sxd)[m * B + b] = d * static_cast<float>(is);
-      const_cast<int32_t*>(p.xs)[m * B + b] = is;
+      p.d[m * B + b] = d;
+      p.sxd[m * B + b] = d * static_cast<float>(is);
+      p.xs[m * B + b] = is;
     }
   }
 }
