@@ -22,6 +22,11 @@ from .runner import Runner
 from .scheduler import Row, Seq, StepPlan
 
 
+# A drafting row's unseen tokens in steady state: at most the token sampled
+# after its drafts and its last accepted draft (which it had not fed).
+STEADY_GAP = 2
+
+
 class _DraftSeq:
     """A row's state in the draft pool."""
 
@@ -45,6 +50,10 @@ class DraftModel:
         self.pool = KVPool(model.kv_layers, num_blocks, block_size, kv_dtype, release=False)
         self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_cache=False)
         self.runner = Runner(model, self.pool, native=native)
+        # Tokens fed this step beyond a drafting row's steady state (its
+        # last step's bonus token and accepted drafts): a prompt's catch-up,
+        # which Drafter.step_done keeps out of the step's price.
+        self.caught_up = 0
 
     def _state(self, seq) -> _DraftSeq:
         spec = seq.data.spec
@@ -65,6 +74,7 @@ class DraftModel:
             d = self._state(seq)
             d.seq.tokens = list(seq.tokens)
             gap = len(seq.tokens) - d.num_computed
+            self.caught_up += max(0, min(gap, budget) - STEADY_GAP)
             if gap > budget:
                 if budget > 0 and self._room(d, d.num_computed + budget):
                     behind.append(Row(d.seq, d.num_computed, budget, False))

@@ -525,7 +525,7 @@ class Engine:
         else:
             results = self._verify(logits.sample, rows) if rows else []
         if self.drafter is not None:  # what a step costs, for choosing the drafts worth verifying
-            self.drafter.cost.observe(plan.num_tokens, time.perf_counter() - t0)
+            self.drafter.step_done(plan.num_tokens, time.perf_counter() - t0)
         by_seq = {r.seq: res for r, res in zip(rows, results)}
         updates = sched.update(plan, [[res.token for res in row_results] for row_results in results])
         self.num_steps += 1
