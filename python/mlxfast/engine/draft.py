@@ -74,16 +74,17 @@ class DraftModel:
             d = self._state(seq)
             d.seq.tokens = list(seq.tokens)
             gap = len(seq.tokens) - d.num_computed
-            self.caught_up += max(0, min(gap, budget) - STEADY_GAP)
             if gap > budget:
                 if budget > 0 and self._room(d, d.num_computed + budget):
                     behind.append(Row(d.seq, d.num_computed, budget, False))
                     d.num_computed += budget
+                    self.caught_up += budget
                 budget = 0
                 continue
             if not self._room(d, len(seq.tokens) + k - 1):
                 continue
             budget -= gap
+            self.caught_up += max(0, gap - STEADY_GAP)
             rows.append((i, d, k))
         if not rows:
             if behind:

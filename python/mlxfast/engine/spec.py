@@ -161,9 +161,9 @@ class StepCost:
     past the counts seen, along the slope of the last two (with one seen, a
     tenth of its time per token: optimistic, so that a longer step gets
     tried and measured), and a new count's first reading raises the
-    estimate as a stall at a count seen would at most. Not a line: one row streams the weights, each
-    further token adds compute, and kernels change paths with the number of
-    rows (measured on the default model, 2 cores: 1 row and 1, 2, 4, 8
+    estimate as a stall at a count seen would at most. Not a line: one row
+    streams the weights, each further token adds compute, and kernels
+    change paths with the number of rows (measured on the default model, 2 cores: 1 row and 1, 2, 4, 8
     draft tokens 13.8, 15.0, 16.4, 19.5, 32 ms; 8 rows and as many drafts
     each 29.5, 34.3, 42.4, 59.1, 77.6 ms; a loaded machine)."""
 
