@@ -160,10 +160,9 @@ class StepCost:
     counts by linear interpolation and never lower than at a smaller count;
     past the counts seen, along the slope of the last two (with one seen, a
     tenth of its time per token: optimistic, so that a longer step gets
-    tried and measured), and a new count's first reading raises the
-    estimate as a stall at a count seen would at most. Not a line: one row
-    streams the weights, each further token adds compute, and kernels
-    change paths with the number of rows (measured on the default model, 2 cores: 1 row and 1, 2, 4, 8
+    tried and measured). Not a line: one row streams the weights, each
+    further token adds compute, and kernels change paths with the number of
+    rows (measured on the default model, 2 cores: 1 row and 1, 2, 4, 8
     draft tokens 13.8, 15.0, 16.4, 19.5, 32 ms; 8 rows and as many drafts
     each 29.5, 34.3, 42.4, 59.1, 77.6 ms; a loaded machine)."""
 
@@ -189,16 +188,6 @@ class StepCost:
             v = self._seconds[i]  # a stall (a collection, another process) moves it by at most 2x's share
             self._seconds[i] += self.SMOOTH * (min(seconds, 2 * v) - v)
         else:
-            # A new count's first reading is taken as is where it is below
-            # what the counts seen predict for it; above, it moves that as a
-            # reading moves a count's average. Too low an estimate is read
-            # again and corrected (the drafter takes such steps); too high
-            # is not: every larger count reads at least it (the floor), so
-            # one stall taken as is priced all longer steps out for good.
-            if self._counts:
-                v = self.seconds(k)
-                if seconds > v:
-                    seconds = v + self.SMOOTH * (min(seconds, 2 * v) - v)
             self._counts.insert(i, k)
             self._seconds.insert(i, seconds)
             self._floor.insert(i, 0.0)
