@@ -630,7 +630,7 @@ def test_a_draft_model_catches_up_on_a_long_prompt_over_several_steps(model, tok
     assert fin.speculation["accepted"] > 0
 
 
-def test_a_prompts_catch_up_is_not_priced_as_drafting(model, tok):
+def test_a_prompts_catch_up_is_not_priced_as_drafting(model, tok, verify_all):
     """A draft model first reads a request's whole prompt (every token, with
     no prefix cache, even where the target's cache held it), in the step it
     first drafts in: once per request, so that step's time is no price of
