@@ -633,30 +633,57 @@ def test_a_draft_model_catches_up_on_a_long_prompt_over_several_steps(model, tok
 def test_a_prompts_catch_up_is_not_priced_as_drafting(model, tok, verify_all):
     """A draft model first reads a request's whole prompt (every token, with
     no prefix cache, even where the target's cache held it), in the step it
-    first drafts in: once per request, so that step's time is no price of
+    first drafts in: once per request, so that forward is no price of
     drafting (read as one, it priced every draft out for good, as in
-    bench_spec.py --draft, whose rounds repeat a cached prompt)."""
+    bench_spec.py --draft, whose rounds repeat a cached prompt). Every
+    draft forward's time is kept out of the target's step price; only
+    steady ones price the draft model."""
     long = [(5 * j) % 90 + 5 for j in range(60)]
     eng = engine(model, tok, spec_kind="model", draft_model=half_copy(model), num_draft_tokens=4)
     try:
-        observed, fed = [], []
-        real_observe, real_run = eng.drafter.cost.observe, eng.drafter.draft_model.runner.run
-        eng.drafter.cost.observe = lambda t, s: observed.append(t) or real_observe(t, s)
+        drafter = eng.drafter
+        target, draft, steps = [], [], []
+        real_target, real_draft, real_done = drafter.cost.observe, drafter.draft_cost.observe, drafter.step_done
+        drafter.cost.observe = lambda t, s: target.append((t, s)) or real_target(t, s)
+        drafter.draft_cost.observe = lambda t, s: draft.append(t) or real_draft(t, s)
 
-        def spy(plan):
-            fed.append(plan.num_tokens)
-            return real_run(plan)
+        def step_done(tokens, seconds):
+            steps.append((tokens, seconds, list(drafter.draft_model.forwards)))
+            real_done(tokens, seconds)
 
-        eng.drafter.draft_model.runner.run = spy
+        drafter.step_done = step_done
         for _ in range(2):  # the second time, the target's prefix cache holds the prompt
             (toks, _, fin), = run_requests(eng, [Request(long, greedy(20, ignore_eos=True))])
             assert fin.speculation["drafted"] > 0
-        steps = eng.num_steps
     finally:
         eng.shutdown()
-    catch_ups = sum(n > STEADY_GAP for n in fed)  # one row: a steady first forward feeds 1 or 2 tokens
-    assert catch_ups >= 2
-    assert len(observed) == steps - catch_ups
+    forwards = [f for _, _, fs in steps for f in fs]
+    catch_ups = [fed for fed, _, steady in forwards if not steady]
+    assert len(catch_ups) >= 2 and min(catch_ups) > STEADY_GAP  # one row: a steady forward feeds 1 or 2
+    assert draft == [fed for fed, _, steady in forwards if steady] and max(draft) <= STEADY_GAP
+    assert len(target) == len(steps)  # every step prices the target, without its draft forwards
+    for (tokens, seconds, fs), (t, s) in zip(steps, target):
+        assert t == tokens and s == pytest.approx(max(seconds - sum(took for _, took, _ in fs), 1e-6))
+
+
+def test_select_prices_a_draft_models_forwards():
+    """A draft model's j-th token of a row costs its j-th forward, shared by
+    the rows drafting that far: at one row of a float32 target (a step
+    streams the weights) eight drafts pay; at eight rows (a step is
+    compute, a verified token costs about a plain one) none does, though
+    the target's curve alone says one per row would."""
+    target = StepCost()
+    for t in range(1, 80):
+        target.observe(t, 25e-3 + 3.2e-3 * max(0, t - 4))
+    fwd = StepCost()
+    for t in range(1, 40):
+        fwd.observe(t, 5e-3 + 0.6e-3 * (t - 1))
+    sure = [0.99 ** j for j in range(1, 9)]
+    assert select([sure], 1, 1, target, fwd, [2]) == [8]
+    assert select([sure[:1]] * 8, 8, 8, target) == [1] * 8  # the forwards unpriced: a loss
+    assert select([sure[:1]] * 8, 8, 8, target, fwd, [2] * 8) == [0] * 8
+    # free rows (a grammar's forced tokens) cost no forward
+    assert select([[1.0, 1.0]] + [sure[:1]] * 7, 8, 8, target, fwd, [0] + [2] * 7) == [2] + [0] * 7
 
 
 @pytest.mark.parametrize("make,words", [

@@ -14,6 +14,8 @@ rejected positions are overwritten later, as in the target's pool.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 
 from ..kv.allocator import BlockAllocator
@@ -50,16 +52,24 @@ class DraftModel:
         self.pool = KVPool(model.kv_layers, num_blocks, block_size, kv_dtype, release=False)
         self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_cache=False)
         self.runner = Runner(model, self.pool, native=native)
-        # Tokens fed this step beyond a drafting row's steady state (its
-        # last step's bonus token and accepted drafts): a prompt's catch-up,
-        # which Drafter.step_done keeps out of the step's price.
-        self.caught_up = 0
+        # This step's forwards, (tokens fed, seconds, steady): the engine's
+        # Drafter.step_done takes their time out of the target's step and
+        # prices the steady ones (no row fed more than STEADY_GAP tokens; a
+        # prompt's catch-up is a one-off per request, not a price of drafting).
+        self.forwards: list[tuple[int, float, bool]] = []
 
     def _state(self, seq) -> _DraftSeq:
         spec = seq.data.spec
         if spec.draft is None:
             spec.draft = _DraftSeq(seq.request_id)
         return spec.draft
+
+    def first_feed(self, seq) -> int:
+        """Tokens a row's first drafting forward feeds in steady state: its
+        unseen tokens, at most STEADY_GAP (what select prices)."""
+        d = seq.data.spec.draft
+        gap = len(seq.tokens) - (d.num_computed if d is not None else 0)
+        return max(1, min(gap, STEADY_GAP))
 
     def propose(self, wants: list[tuple[object, int]]) -> list[list[int]]:
         """Up to ``k`` draft tokens for each ``(seq, k)``; a row the draft
@@ -68,6 +78,7 @@ class DraftModel:
         rows = []  # (index into wants, draft seq, k)
         behind = []  # rows catching up on a long context: a chunk this step, no drafts yet
         budget = self.max_catchup
+        steady = True  # no row catches up on more than STEADY_GAP tokens
         for i, (seq, k) in enumerate(wants):
             if k <= 0:
                 continue
@@ -78,26 +89,32 @@ class DraftModel:
                 if budget > 0 and self._room(d, d.num_computed + budget):
                     behind.append(Row(d.seq, d.num_computed, budget, False))
                     d.num_computed += budget
-                    self.caught_up += budget
+                    steady = False
                 budget = 0
                 continue
             if not self._room(d, len(seq.tokens) + k - 1):
                 continue
             budget -= gap
-            self.caught_up += max(0, gap - STEADY_GAP)
+            steady = steady and gap <= STEADY_GAP
             rows.append((i, d, k))
         if not rows:
             if behind:
-                self.runner.run(StepPlan(behind))
+                t0 = time.perf_counter()
+                self.runner.run(StepPlan(behind))  # evaluated: it computes no logits
+                self.forwards.append((sum(r.n for r in behind), time.perf_counter() - t0, False))
             return out
         # One forward catches every row up and gives its first draft token.
         plan = StepPlan(behind + [Row(d.seq, d.num_computed, len(d.seq.tokens) - d.num_computed, True)
                                   for _, d, _ in rows])
         for _, d, _ in rows:
             d.num_computed = len(d.seq.tokens)
+        steady = steady and not behind
         drafting = rows  # in the order of the plan's sampled rows
         while drafting:
+            t0 = time.perf_counter()
             tokens = mx.argmax(self.runner.run(plan).sample.astype(mx.float32), axis=-1).tolist()
+            self.forwards.append((plan.num_tokens, time.perf_counter() - t0, steady))
+            steady = True  # the later forwards feed one token a row
             more, live = [], []
             for (i, d, k), tok in zip(drafting, tokens):
                 out[i].append(int(tok))

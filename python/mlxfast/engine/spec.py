@@ -19,9 +19,11 @@ a draft token only where it pays: ``MatchAcceptance`` estimates a prompt-lookup
 token's chance of acceptance from the length of the context match behind it
 (scoring every proposal against what its step produced, drafted or not),
 ``Acceptance`` a draft-model row's from its recent drafts, ``StepCost``
-learns the step time by the number of tokens the step computes, and
-``select`` takes the most likely draft tokens, as many as give the most
-expected tokens per second. A row that copies nothing, or a batch where
+learns the target's step time by the number of tokens the step computes
+(and a draft model's forward time by the tokens it feeds: keyed by the
+step's tokens alone, one row's eight forwards and eight rows' one were the
+same count), and ``select`` takes the most likely draft tokens, as many as
+give the most expected tokens per second. A row that copies nothing, or a batch where
 verification costs more than it brings, decodes plainly.
 """
 
@@ -219,22 +221,41 @@ class StepCost:
         return vals[i - 1] + (vals[i] - vals[i - 1]) * (tokens - lo) / (hi - lo)
 
 
-def select(candidates: list[list[float]], tokens: int, sampled: int, cost: StepCost) -> list[int]:
+def select(candidates: list[list[float]], tokens: int, sampled: int, cost: StepCost,
+           draft_cost: StepCost | None = None, feeds: list[int] | None = None) -> list[int]:
     """How many draft tokens each candidate row verifies. ``candidates``
     are, per row, the chance that each of its proposed tokens is accepted
     with those before it (non-increasing); the step already computes
     ``tokens`` tokens and yields ``sampled``. Draft tokens go in by their
     chance, and the step takes the first so many of them that give the
     most expected tokens per second (the cost is not linear, so not only
-    while each one pays)."""
+    while each one pays).
+
+    With ``draft_cost`` (a draft model's forward time by the tokens it
+    feeds) drafting costs time too: a row's j-th draft token needs the
+    draft model's j-th forward, which is batched over the rows drafting that
+    far; ``feeds[i]`` is what row i adds to the first one (0: its drafts
+    are free, a grammar's forced tokens), every later one takes a token a
+    row."""
     order = sorted(((p, i) for i, ps in enumerate(candidates) for p in ps), reverse=True)
     take = [0] * len(candidates)
+    counted = [0] * len(candidates)
+    fed = [0]  # tokens each draft forward feeds, the first one's included
+    drafting = 0.0  # those forwards' seconds
     expected, best_rate, best = float(sampled), sampled / cost.seconds(tokens), 0
-    for n, (p, _) in enumerate(order, 1):
+    for n, (p, i) in enumerate(order, 1):
         if p <= 0:
             break
         expected += p
-        rate = expected / cost.seconds(tokens + n)
+        if draft_cost is not None and feeds[i]:
+            f = counted[i]
+            if f == len(fed):
+                fed.append(0)
+            before = draft_cost.seconds(fed[f]) if fed[f] else 0.0
+            fed[f] += feeds[i] if f == 0 else 1
+            drafting += draft_cost.seconds(fed[f]) - before
+        counted[i] += 1
+        rate = expected / (cost.seconds(tokens + n) + drafting)
         if rate > best_rate:
             best_rate, best = rate, n
     for _, i in order[:best]:
@@ -279,19 +300,25 @@ class Drafter:
         self.k_max = k_max
         self.draft_model = draft_model
         self.select_all = select_all  # verify every proposed token (--draft-select all)
-        self.cost = StepCost()
+        self.cost = StepCost()  # the target's step, without a draft model's forwards
+        # A draft model's forward by the tokens it feeds (steady state only)
+        self.draft_cost = StepCost() if draft_model is not None else None
         self.lookup = MatchAcceptance()  # prompt lookup's acceptance, by match length
         self.plain_steps = 0  # consecutive drafting rounds that verified nothing
 
     def step_done(self, tokens: int, seconds: float) -> None:
-        """A step's time, drafting included, for ``cost``; not a step in
-        which the draft model caught a row up on its prompt (tens of its
-        tokens, once per request, that drafting does not cost again: read
-        as a step's price, one such step priced every draft out for good)."""
-        if self.draft_model is not None and self.draft_model.caught_up:
-            self.draft_model.caught_up = 0
-            return
-        self.cost.observe(tokens, seconds)
+        """A step's time: the target's share for ``cost``; a draft model's
+        forwards, timed apart, for ``draft_cost``, but not one that caught a
+        row up on its prompt (tens of tokens, once per request: read as a
+        price, one such forward priced every draft out for good)."""
+        dm = self.draft_model
+        if dm is not None:
+            for fed, took, steady in dm.forwards:
+                seconds -= took
+                if steady:
+                    self.draft_cost.observe(fed, took)
+            dm.forwards = []
+        self.cost.observe(tokens, max(seconds, 1e-6))
 
     def draft(self, rows: list[tuple[object, int]], tokens: int, sampled: int) -> list[list[int]]:
         """Drafts for ``(seq, at most k)`` rows of a step that computes
@@ -316,7 +343,13 @@ class Drafter:
             else:  # a draft model's tokens cost a forward each: choose lengths first
                 a = sp.acceptance.alpha
                 chances.append([a ** n for n in range(1, k + 1)])
-        take = [len(c) for c in chances] if self.select_all else select(chances, tokens, sampled, self.cost)
+        if self.select_all:
+            take = [len(c) for c in chances]
+        elif self.draft_model is None:
+            take = select(chances, tokens, sampled, self.cost)
+        else:
+            feeds = [0 if sp.forced else self.draft_model.first_feed(seq) for sp, (_, seq, _) in zip(specs, live)]
+            take = select(chances, tokens, sampled, self.cost, self.draft_cost, feeds)
         if self.draft_model is not None:
             drafted = self.draft_model.propose([(seq, 0 if sp.forced else n)
                                                 for (_, seq, _), sp, n in zip(live, specs, take)])
