@@ -297,6 +297,28 @@ def test_ngram_proposer_matches_a_brute_force_search():
             assert got == want, (grown, got, want)
 
 
+def test_a_draft_models_new_rows_start_from_the_pooled_rate():
+    """A draft model predicts a target about as well from one request to the
+    next: a new row's prior is the drafter's pooled rate over every row's
+    recent drafts (at 1/2 a request's first steps went undrafted), and its
+    own drafts soon outweigh it."""
+    from types import SimpleNamespace
+
+    from mlxfast.engine.spec import Drafter, RowSpec
+
+    d = Drafter(3, draft_model=SimpleNamespace(accepted=lambda *a: None))
+    assert RowSpec(1, 4, pooled=d.pooled).acceptance.alpha == 0.5  # nothing drafted yet
+    old = SimpleNamespace(tokens=list(range(20)), data=SimpleNamespace(spec=RowSpec(1, 4, pooled=d.pooled)))
+    for _ in range(8):
+        d.verified(old, len(old.tokens), [1, 2, 3, 4], 3, 3)
+    new = RowSpec(1, 4, pooled=d.pooled).acceptance
+    assert new.alpha == pytest.approx(d.pooled.alpha) and new.alpha > 0.9
+    for _ in range(6):
+        new.observe(3, 0)
+    assert new.alpha < 0.4
+    assert Acceptance().alpha == 0.5
+
+
 def test_ngram_proposer_reports_its_context_match():
     p = NgramProposer(1, 4)
     assert p.propose([7, 1, 2, 3, 4, 9, 8, 1, 2, 3], 3) == [4, 9, 8] and p.match == 3  # 7 != 8 before it

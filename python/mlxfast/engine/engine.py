@@ -474,7 +474,8 @@ class Engine:
         st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
         st.out = OutputProcessor(self.tokenizer, p.stop)
         if self.config.spec_kind and speculation_allowed(p):
-            st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max, forced=p.grammar is not None)
+            st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max, forced=p.grammar is not None,
+                              pooled=self.drafter.pooled)
         if seq.max_tokens <= 0 and not seq.score_prompt:
             st.events.append(FinishEvent("length", prompt_tokens=seq.prompt_len))
             return

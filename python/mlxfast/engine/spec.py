@@ -132,20 +132,27 @@ class MatchAcceptance:
 class Acceptance:
     """A draft model row's chance that a draft token is accepted, given the
     ones before it were: accepted and rejected draft tokens counted with
-    decay (recent drafts weigh most) over a uniform prior. The counts also
-    decay on steps without drafts, so a row that stopped drafting tries
-    again later."""
+    decay (recent drafts weigh most) over a prior worth two drafts whose
+    mean is ``prior``'s chance (the drafter's pool of every row's drafts:
+    how well this draft model predicts this target lately), or 1/2. The
+    counts also decay on steps without drafts, so a row that stopped
+    drafting tries again later. With a uniform prior every request began
+    at 1/2, where a draft model's dear forwards barely paid at one stream:
+    ~13 of a 160-token answer's steps went undrafted before its own drafts
+    raised it (bench_spec.py --draft)."""
 
     DECAY = 0.7  # per verified draft
     IDLE_DECAY = 0.95  # per step without one
 
-    def __init__(self):
+    def __init__(self, prior: "Acceptance | None" = None):
+        self.prior = prior
         self.accepted = 0.0
         self.rejected = 0.0
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+        mean = 0.5 if self.prior is None else self.prior.alpha
+        return (self.accepted + 2.0 * mean) / (self.accepted + self.rejected + 2.0)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.accepted = self.accepted * self.DECAY + accepted
@@ -277,10 +284,10 @@ def speculation_allowed(params) -> bool:
 class RowSpec:
     """One request's speculative decoding state."""
 
-    def __init__(self, n_min: int, n_max: int, forced: bool = False):
+    def __init__(self, n_min: int, n_max: int, forced: bool = False, pooled: Acceptance | None = None):
         self.forced = forced  # a grammar row: its drafts are the tokens the grammar forces next
         self.proposer = NgramProposer(n_min, n_max)
-        self.acceptance = Acceptance()  # a draft model's rows
+        self.acceptance = Acceptance(pooled)  # a draft model's rows
         self.draft = None  # its state in a draft model's pool (engine/draft.py)
         self.proposal = None  # this step's prompt-lookup proposal, scored by Drafter.verified
         self.proposed_at = -1  # the sequence's length when it was made
@@ -304,6 +311,7 @@ class Drafter:
         # A draft model's forward by the tokens it feeds (steady state only)
         self.draft_cost = StepCost() if draft_model is not None else None
         self.lookup = MatchAcceptance()  # prompt lookup's acceptance, by match length
+        self.pooled = Acceptance()  # a draft model's drafts, every row's: new rows' prior
         self.plain_steps = 0  # consecutive drafting rounds that verified nothing
 
     def step_done(self, tokens: int, seconds: float) -> None:
@@ -362,6 +370,8 @@ class Drafter:
             if not out[i] and self.draft_model is not None:
                 sp.acceptance.idle()
         self.plain_steps = 0 if any(out) else self.plain_steps + 1
+        if self.draft_model is not None and not any(out):
+            self.pooled.idle()
         return out
 
     def may_skip(self, skipped: int) -> bool:
@@ -405,6 +415,7 @@ class Drafter:
             self.lookup.observe(sp.match, proposal, produced)
         elif drafted and self.draft_model is not None:
             sp.acceptance.observe(drafted, accepted)
+            self.pooled.observe(drafted, accepted)
         if self.draft_model is not None and drafted:
             self.draft_model.accepted(seq, old_len, drafted, accepted)
 
