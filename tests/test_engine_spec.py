@@ -387,6 +387,24 @@ def test_step_cost_learns_a_curve_not_a_line():
     assert c.seconds(20) == pytest.approx(c.seconds(19))
 
 
+def test_a_count_priced_by_a_stall_is_forgotten_and_read_again():
+    """A count is read only when a step takes it: one read during a stall
+    priced every draft out (as every longer count's floor) for good. Not
+    read again within EXPIRE readings, it is forgotten, and drafting is
+    tried (and the count measured) again."""
+    c = StepCost()
+    c.observe(1, 6e-3)
+    c.observe(2, 60e-3)  # the first draft's step met a stall
+    likely = [[0.9, 0.81, 0.73]]
+    assert select(likely, 1, 1, c) == [0] and c.seconds(3) >= 60e-3
+    for n in range(1, StepCost.EXPIRE + 1):
+        c.observe(1, 6e-3)  # plain steps only
+        if select(likely, 1, 1, c) != [0]:
+            break
+    assert n == StepCost.EXPIRE  # frozen until then, not after
+    assert c.seconds(2) < 7e-3 and select(likely, 1, 1, c) == [3]
+
+
 def test_proposals_not_drafted_are_still_scored():
     """Where no draft pays at first (a prior below the step's threshold, as
     at eight streams), the proposals are still scored against the tokens the

@@ -173,16 +173,26 @@ class StepCost:
     further token adds compute, and kernels change paths with the number of
     rows (measured on the default model, 2 cores: 1 row and 1, 2, 4, 8
     draft tokens 13.8, 15.0, 16.4, 19.5, 32 ms; 8 rows and as many drafts
-    each 29.5, 34.3, 42.4, 59.1, 77.6 ms; a loaded machine)."""
+    each 29.5, 34.3, 42.4, 59.1, 77.6 ms; a loaded machine).
+
+    A count not read again within EXPIRE readings is forgotten: a count is
+    read only when a step takes it, so one priced too high (a stall during
+    its only readings) would never be drafted, and so never re-read; and,
+    as the floor of every longer count, it would price those out too.
+    Forgotten, it is read between its neighbours again, and a step that
+    takes it measures it anew (one step in EXPIRE at most)."""
 
     SMOOTH = 0.2
     FIRST_SLOPE = 0.1  # per token, as a share of the one count seen
+    EXPIRE = 1000  # readings
 
     def __init__(self, base: float = 5e-3, per_token: float = 5e-4):
         self.base, self.per_token = base, per_token  # before any step is measured
         self._counts: list[int] = []  # sorted
         self._seconds: list[float] = []  # running average at each count
         self._floor: list[float] = []  # running maximum of those, by count
+        self._read: list[int] = []  # the reading that last updated each count
+        self._readings = 0
 
     @staticmethod
     def _bucket(tokens: int) -> int:
@@ -191,15 +201,23 @@ class StepCost:
     def observe(self, tokens: int, seconds: float) -> None:
         import bisect
 
+        self._readings += 1
         k = self._bucket(tokens)
         i = bisect.bisect_left(self._counts, k)
         if i < len(self._counts) and self._counts[i] == k:
             v = self._seconds[i]  # a stall (a collection, another process) moves it by at most 2x's share
             self._seconds[i] += self.SMOOTH * (min(seconds, 2 * v) - v)
+            self._read[i] = self._readings
         else:
             self._counts.insert(i, k)
             self._seconds.insert(i, seconds)
             self._floor.insert(i, 0.0)
+            self._read.insert(i, self._readings)
+        stale = [j for j, r in enumerate(self._read) if self._readings - r >= self.EXPIRE]
+        for j in reversed(stale):
+            for lst in (self._counts, self._seconds, self._floor, self._read):
+                del lst[j]
+        i = 0 if stale else i
         top = self._floor[i - 1] if i else 0.0  # only counts from i on can change
         for j in range(i, len(self._seconds)):
             top = max(top, self._seconds[j])
