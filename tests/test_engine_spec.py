@@ -201,6 +201,44 @@ def test_rejected_drafts_leave_no_kv_a_prefix_hit_reads(model, tok, reference, o
     assert hit == cold[0][0]
 
 
+@pytest.mark.parametrize("kv_quant", ["8", "turbo"])
+def test_quantized_kv_under_speculation(model, tok, oracle, kv_quant):
+    """Verified rows write quantized K/V and read it back in the same step:
+    the tokens are those of decoding one token a step over the same scheme."""
+    reqs = [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS[:4]]
+    plain, _ = run(model, tok, reqs, spec=False, kv_quant=kv_quant, kv_group_size=16)
+    oracle.REFERENCE = {tuple(p): toks for p, (toks, _, _) in zip(PROMPTS, plain)}
+    spec, stats = run(model, tok, reqs, kv_quant=kv_quant, kv_group_size=16)
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    s = stats["spec_decode"]
+    assert s["num_draft_tokens"] > s["num_accepted_tokens"] > N
+
+
+def test_blocks_filled_under_speculation_restore_from_the_ssd_tier(model, tok, reference, oracle, tmp_path):
+    """Blocks filled by accepted drafts (rejected ones beside them) go to the
+    SSD tier; a fresh engine restores them and continues as a cold one."""
+    oracle.REFERENCE = {tuple(PROMPTS[4]): reference[4]}
+    longer = PROMPTS[4] + reference[4] + [5, 6, 7]
+    eng = engine(model, tok, ssd_cache_dir=str(tmp_path))
+    try:
+        (first, _, ffin), = run_requests(eng, [Request(PROMPTS[4], greedy(N, ignore_eos=True))])
+        assert eng.flush_cache(30)["durable"]
+    finally:
+        eng.shutdown()
+    assert first == reference[4] and ffin.speculation["drafted"] > ffin.speculation["accepted"] > 0
+    cold, _ = run(model, tok, [Request(longer, greedy(12, ignore_eos=True))], spec=False,
+                  enable_prefix_cache=False)
+    eng = engine(model, tok, spec=False, ssd_cache_dir=str(tmp_path))
+    try:
+        (hit, _, fin), = run_requests(eng, [Request(longer, greedy(12, ignore_eos=True))])
+        restored = eng.stats()["ssd"]["restored_blocks"]
+    finally:
+        eng.shutdown()
+    assert hit == cold[0][0]
+    full = (len(PROMPTS[4]) + N - 1) // 4  # every full block of the first request (block_size 4)
+    assert restored == full and fin.cached_tokens == full * 4
+
+
 def test_penalties_and_grammars_decode_plainly(model, tok, reference, oracle):
     oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
     reqs = [Request(PROMPTS[0], greedy(N, ignore_eos=True, repetition_penalty=1.3)),
