@@ -468,24 +468,34 @@ def test_proposals_not_drafted_are_still_scored():
     assert taken[0] == 0 and taken[-1] >= 8, taken
 
 
-def test_probes_back_off_while_they_find_nothing():
-    """Prompt lookup builds undrafted steps ahead once two drafting rounds in
-    a row verified nothing; the run of such steps between probes doubles
-    with each fruitless probe, up to PROBE_MAX, and a probe that drafts
-    starts over (a draft model never skips)."""
-    from mlxfast.engine.spec import Drafter
+def test_peek_decides_on_the_known_tokens_as_draft_would():
+    """A step built ahead gives way to a drafting one exactly where ``draft``
+    would draft on the same tokens: a row that copies (a long match) does,
+    one whose context recurs nowhere does not; the proposal is kept to be
+    scored against the token the next step produces. A draft model's steps
+    are never built ahead."""
+    from types import SimpleNamespace
 
+    from mlxfast.engine.spec import Drafter, RowSpec
+
+    def row(tokens):
+        return SimpleNamespace(tokens=list(tokens), data=SimpleNamespace(spec=RowSpec(1, 4)))
+
+    text = list(range(10, 300))
+    copying, novel = row(text + text[:40]), row(range(1000, 1300))
     d = Drafter(8)
-    runs = []
-    for plain in range(6):
-        d.plain_steps = plain
-        runs.append(next(n for n in range(64) if not d.may_skip(n)))
-    every, top = Drafter.PROBE_EVERY, Drafter.PROBE_MAX
-    assert runs[:Drafter.PLAIN_BEFORE_SKIP] == [0] * Drafter.PLAIN_BEFORE_SKIP
-    assert runs[2:] == [min(top, every << i) - 1 for i in range(4)] and runs[-1] == top - 1
-    d.plain_steps = 0
-    assert not d.may_skip(0)
-    assert not Drafter(8, draft_model=object()).may_skip(0)
+    for t in range(1, 80):
+        d.cost.observe(t, 6e-3 + 8e-4 * (t - 1))
+    for _ in range(40):  # long matches have been right
+        d.lookup.observe(32, [1] * 8, [1] * 9)
+    assert d.may_skip() and not Drafter(8, draft_model=object()).may_skip()
+    toks = copying.tokens + [text[40]]  # the token just sampled: the copy goes on
+    assert d.peek([(copying, toks, 8)], 1, 1)
+    assert copying.data.spec.proposal == text[41:49] and copying.data.spec.proposed_at == len(toks)
+    assert not d.peek([(novel, novel.tokens + [1300], 8)], 1, 1)
+    assert not d.peek([(copying, toks, 0)], 1, 1)  # no room for a draft
+    copying.tokens.append(text[40])  # the step dropped, the token appended: draft drafts what peek saw
+    assert d.draft([(copying, 8)], 1, 1) == [text[41:49]]
 
 
 def test_select_takes_the_draft_tokens_that_give_the_most_tokens_per_second():
@@ -900,29 +910,27 @@ def test_the_gguf_drafts_for_its_float32_copy(default_model, tmp_path):
 
 
 def test_steps_that_draft_nothing_are_built_ahead(model, tok, reference, monkeypatch):
-    """While drafting verifies nothing (prose), steps are built ahead (async
-    scheduling) but some still ask the drafter (every fourth, backing off
-    to every PROBE_MAX-th), so drafting resumes once it pays; the tokens are
-    those of decoding without speculation."""
+    """While no draft pays (prose), every decode step is built ahead (async
+    scheduling); once the tokens show drafts that pay, the step built ahead
+    is dropped unevaluated for one that drafts. The tokens are those of
+    decoding without speculation."""
     monkeypatch.setattr(spec_mod, "NgramProposer", Oracle)
     Oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
     calls = {"n": 0}
 
-    def select(candidates, *a):  # nothing pays for the first five rounds, then everything
+    def select(candidates, *a):  # nothing pays for the first ten rounds, then everything
         calls["n"] += 1
-        return [0 if calls["n"] <= 5 else len(c) for c in candidates]
+        return [0 if calls["n"] <= 10 else len(c) for c in candidates]
 
     monkeypatch.setattr(spec_mod, "select", select)
     res, stats = run(model, tok, [Request(p, greedy(N, ignore_eos=True)) for p in PROMPTS[:3]])
     assert [toks for toks, _, _ in res] == reference[:3]
-    assert stats["num_steps_ahead"] >= 6  # rounds 3-5 were each followed by steps built ahead
+    assert stats["num_steps_ahead"] >= 6  # rounds 2-10 each built the next step ahead
+    assert stats["num_steps_dropped"] >= 1  # the first round that paid dropped its step
     assert stats["spec_decode"]["num_accepted_tokens"] > 0  # drafting resumed
-    assert calls["n"] > 5
-    # with drafting off for good, more than three steps in four are built
-    # ahead once the probes back off, never more than PROBE_MAX - 1 in PROBE_MAX
+    # with drafting off for good, every step but the prompt's and the one after it is built ahead
     monkeypatch.setattr(spec_mod, "select", lambda candidates, *a: [0] * len(candidates))
     res, stats = run(model, tok, [Request(PROMPTS[1], greedy(N, ignore_eos=True))])
     assert res[0][0] == reference[1]
-    n = stats["num_steps"]
-    assert 0.75 * n < stats["num_steps_ahead"] <= (1 - 1 / spec_mod.Drafter.PROBE_MAX) * n
+    assert stats["num_steps_ahead"] == stats["num_steps"] - 2 and stats["num_steps_dropped"] == 0
     assert stats["spec_decode"]["num_draft_tokens"] == 0

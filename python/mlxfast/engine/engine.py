@@ -197,13 +197,13 @@ class Engine:
         self._ready = threading.Event()
         self._states: dict[str, _ReqState] = {}
         self._ahead = None  # (plan, logits) of the next step, built ahead (Scheduler.plan_ahead)
-        self._ahead_run = 0  # steps in a row that were built ahead
         self.alive = False
         self.error: str | None = None
 
         self.metrics = RequestMetrics()  # the one source of request metrics (/stats, /metrics)
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps built while the one before evaluated
+        self.num_steps_dropped = 0  # steps built ahead, then dropped unevaluated for a drafting step
         self.spec_drafts = 0  # rows that carried drafts
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -293,6 +293,7 @@ class Engine:
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
             "num_steps_ahead": self.num_steps_ahead,
+            "num_steps_dropped": self.num_steps_dropped,
             "tensor_parallel_size": 1 if self.channel is None else self.channel.size,
             "ranks": self.ranks,  # per rank: parameter and KV pool bytes
             **({} if self.channel is None else {"tensor_parallel": self.channel.stats()}),
@@ -510,9 +511,7 @@ class Engine:
         t0 = time.perf_counter()  # the step's cost, drafting included
         if self._ahead is not None:  # built during the last step, already evaluating
             (plan, logits), self._ahead = self._ahead, None
-            self._ahead_run += 1
         else:
-            self._ahead_run = 0
             plan = sched.schedule()
             self.connector.save_evicted()  # before this step overwrites blocks the schedule evicted
             if not plan.rows:
@@ -570,13 +569,14 @@ class Engine:
     def _can_pipeline(self) -> bool:
         """Whether the next step may be built while this one evaluates
         (``Scheduler.plan_ahead`` decides which steps can): not with drafts
-        (they need the tokens: with speculative decoding only where drafting
-        has stopped paying, ``Drafter.may_skip``), tensor parallelism (its step
+        (they need the tokens: with prompt lookup the step is built undrafted
+        and dropped once its tokens show drafts worth verifying,
+        ``Drafter.peek``; a draft model's never), tensor parallelism (its step
         is evaluated on every rank at once) or requests arriving while a batch
         slot is free (they are admitted next)."""
         return (self.config.async_scheduling and self.channel is None
                 and not (self._incoming and not self.scheduler.batch_full()) and not self._stopping
-                and (self.drafter is None or self.drafter.may_skip(self._ahead_run)))
+                and (self.drafter is None or self.drafter.may_skip()))
 
     def _sample_pipelined(self, plan, logits) -> list[list[Sampled]]:
         """Sample a plain decode step and, while its draw evaluates, build the
@@ -607,11 +607,15 @@ class Engine:
                 pool.restore(before)  # its rows keep the blocks it grew, as their next step would
             return [[s] for s in self._sample(logits, states, [0] * len(rows),
                                               [r.seq.request_id for r in rows])]
-        del before
         if self.drafter is not None:  # score this step's proposals against its tokens
             for r, res in zip(rows, flat):
                 if r.seq.data.spec is not None:
                     self.drafter.verified(r.seq, r.start + r.n, [res.token], 0, 0)
+            if nxt is not None and self.scheduler.wants_drafts(nxt, {r.seq: res.token for r, res in zip(rows, flat)}):
+                pool.restore(before)  # dropped unevaluated: the next step, scheduled anew, drafts
+                nxt = None
+                self.num_steps_dropped += 1
+        del before
         if nxt is not None:
             mx.async_eval(nxt_logits.sample, *pool.arrays())
             self._ahead = (nxt, nxt_logits)

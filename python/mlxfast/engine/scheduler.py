@@ -423,6 +423,20 @@ class Scheduler:
             self._grow(row.seq, row.start + 1)
         return StepPlan(rows)
 
+    def wants_drafts(self, plan: StepPlan, sampled: dict) -> bool:
+        """Whether ``plan``, built by ``plan_ahead`` before its inputs were
+        known, should give way to a step that drafts, now that they are
+        (``sampled``: each row's sequence -> the token it takes, not yet
+        appended): the drafter's choice on the room ``_draft`` would give."""
+        budget = self.budget - plan.num_tokens
+        rows = []
+        for row in plan.rows:
+            seq = row.seq
+            room = min(seq.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 2
+            if min(budget, room) > 0:
+                rows.append((seq, seq.tokens + [sampled[seq]], min(budget, room)))
+        return bool(rows) and self.drafter.peek(rows, plan.num_tokens, len(plan.sample_rows))
+
     def _draft(self, plan: StepPlan, budget: int) -> None:
         """Drafts for decoding rows from what the step leaves: its budget,
         each row's room (context, max_tokens) and free blocks (drafting never

@@ -330,7 +330,6 @@ class Drafter:
         self.draft_cost = StepCost() if draft_model is not None else None
         self.lookup = MatchAcceptance()  # prompt lookup's acceptance, by match length
         self.pooled = Acceptance()  # a draft model's drafts, every row's: new rows' prior
-        self.plain_steps = 0  # consecutive drafting rounds that verified nothing
 
     def step_done(self, tokens: int, seconds: float) -> None:
         """A step's time: the target's share for ``cost``; a draft model's
@@ -346,6 +345,20 @@ class Drafter:
             dm.forwards = []
         self.cost.observe(tokens, max(seconds, 1e-6))
 
+    def _propose(self, sp: RowSpec, seq, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
+        """A free proposal for a row whose tokens are ``tokens`` (a grammar's
+        forced tokens, or prompt lookup's) and each token's chance, kept to
+        be scored against what the row's next step produces."""
+        if sp.forced:  # free, and certain: the grammar allows nothing else
+            p = list(seq.data.sampling.matcher.compute_ff_tokens())[:k]
+            sp.proposal = None
+            return p, [1.0] * len(p)
+        p = sp.proposer.propose(tokens, k)
+        sp.match = sp.proposer.match
+        sp.proposal = p or None  # scored against what the step produces, taken or not
+        sp.proposed_at = len(tokens)
+        return p, self.lookup.chances(sp.match, len(p))
+
     def draft(self, rows: list[tuple[object, int]], tokens: int, sampled: int) -> list[list[int]]:
         """Drafts for ``(seq, at most k)`` rows of a step that computes
         ``tokens`` tokens and yields ``sampled`` tokens: proposals cut to
@@ -359,13 +372,9 @@ class Drafter:
         proposals: list[list[int]] = [[] for _ in live]
         chances: list[list[float]] = []
         for j, (sp, (_, seq, k)) in enumerate(zip(specs, live)):
-            if sp.forced:  # free, and certain: the grammar allows nothing else
-                proposals[j] = list(seq.data.sampling.matcher.compute_ff_tokens())[:k]
-                chances.append([1.0] * len(proposals[j]))
-            elif self.draft_model is None:  # prompt lookup proposes for free
-                proposals[j] = sp.proposer.propose(seq.tokens, k)
-                sp.match = sp.proposer.match
-                chances.append(self.lookup.chances(sp.match, len(proposals[j])))
+            if sp.forced or self.draft_model is None:
+                proposals[j], c = self._propose(sp, seq, seq.tokens, k)
+                chances.append(c)
             else:  # a draft model's tokens cost a forward each: choose lengths first
                 a = sp.acceptance.alpha
                 chances.append([a ** n for n in range(1, k + 1)])
@@ -382,37 +391,41 @@ class Drafter:
             proposals = [p if sp.forced else d for p, sp, d in zip(proposals, specs, drafted)]
         for sp, (i, seq, _), p, n in zip(specs, live, proposals, take):
             out[i] = list(p[:n])
-            # a free proposal is scored against what the step produces, taken or not
-            sp.proposal = p if self.draft_model is None and not sp.forced and p else None
-            sp.proposed_at = len(seq.tokens)
             if not out[i] and self.draft_model is not None:
                 sp.acceptance.idle()
-        self.plain_steps = 0 if any(out) else self.plain_steps + 1
         if self.draft_model is not None and not any(out):
             self.pooled.idle()
         return out
 
-    def may_skip(self, skipped: int) -> bool:
-        """Whether the next step may go undrafted, built ahead (the engine's
-        async scheduling), after ``skipped`` such steps in a row: prompt
-        lookup only, while the recent rounds verified nothing (prose). A
-        drafting round (a probe) is not built ahead, so it costs a step's
-        host work that nothing overlaps; probes come every PROBE_EVERY
-        steps, the interval doubling with each probe in a row that verified
-        nothing up to PROBE_MAX, so that a row that starts copying drafts
-        again within a few tokens, and prose pays for few probes. Default
-        model, one stream, bench/bench_spec.py, 4 alternating runs: a probe
-        every 4th step, prose 0.88-0.90x of speculation off and copy
-        1.92-2.03x; up to every 8th, 0.96-1.09x and 2.00-2.09x; up to every
-        16th, copy fell to 1.91-1.94x (slower to pick a copy up again)."""
-        if self.draft_model is not None or self.plain_steps < self.PLAIN_BEFORE_SKIP:
-            return False
-        every = min(self.PROBE_MAX, self.PROBE_EVERY << (self.plain_steps - self.PLAIN_BEFORE_SKIP))
-        return skipped < every - 1
+    def may_skip(self) -> bool:
+        """Whether an undrafted step may be built ahead (the engine's async
+        scheduling) and kept unless ``peek`` finds drafts worth verifying
+        once the tokens it takes are known: prompt lookup (its proposals are
+        free). A draft model's steps are never built ahead."""
+        return self.draft_model is None
 
-    PLAIN_BEFORE_SKIP = 2
-    PROBE_EVERY = 4
-    PROBE_MAX = 8
+    def peek(self, rows: list[tuple[object, list[int], int]], tokens: int, sampled: int) -> bool:
+        """Whether the step after a plain one should draft: ``rows`` are its
+        decoding rows as (sequence, its tokens with the one just sampled, at
+        most k drafts), and the step computes ``tokens`` and yields
+        ``sampled``. The choice ``draft`` would make, on the same proposals;
+        the engine built that step ahead, undrafted, and drops it
+        (unevaluated) for a drafting one when this says so. Deciding on the
+        known tokens, every step, is what lets a row that starts copying
+        draft from its next step while prose pays for no unoverlapped steps
+        (before, every fourth to eighth step was scheduled without being
+        built ahead, only to ask for drafts)."""
+        chances = []
+        for seq, toks, k in rows:
+            sp = getattr(seq.data, "spec", None)
+            if sp is None or min(k, self.k_max) <= 0:
+                continue
+            chances.append(self._propose(sp, seq, toks, min(k, self.k_max))[1])
+        if not any(chances):
+            return False
+        if self.select_all:
+            return True
+        return any(select(chances, tokens, sampled, self.cost))
 
     def verified(self, seq, old_len: int, produced: list[int], drafted: int, accepted: int) -> None:
         """A step's outcome for a row it drafted for, or proposed to: the
