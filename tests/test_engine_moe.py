@@ -82,7 +82,7 @@ def test_speculative_decoding_changes_no_token(model, monkeypatch):
     prompts = _prompts(3, (12, 7, 20))
     want = [dense_greedy(model, p, 16) for p in prompts]
     monkeypatch.setattr(spec_mod, "NgramProposer", _Oracle)
-    monkeypatch.setattr(spec_mod, "select", lambda candidates, *a: [len(c) for c in candidates])
+    monkeypatch.setattr(spec_mod, "select", lambda candidates, *a, **k: [len(c) for c in candidates])
     _Oracle.REFERENCE = {tuple(p): w for p, w in zip(prompts, want)}
     eng = _engine(model, spec_kind="ngram", max_num_batched_tokens=64)
     try:

@@ -509,6 +509,7 @@ class Engine:
     def _step(self) -> None:
         sched = self.scheduler
         t0 = time.perf_counter()  # the step's cost, drafting included
+        host = None  # the host work nothing overlapped: this step's planning and build, its output
         if self._ahead is not None:  # built during the last step, already evaluating
             (plan, logits), self._ahead = self._ahead, None
         else:
@@ -517,6 +518,7 @@ class Engine:
             if not plan.rows:
                 raise RuntimeError("scheduler produced an empty step with work pending")
             logits = self.runner.run(plan)
+            host = time.perf_counter() - t0
         for row, scores in logits.scores:
             self._score_prompt(row, scores)
         rows = plan.sample_rows
@@ -524,8 +526,9 @@ class Engine:
             results = self._sample_pipelined(plan, logits.sample)
         else:
             results = self._verify(logits.sample, rows) if rows else []
+        t1 = time.perf_counter()
         if self.drafter is not None:  # what a step costs, for choosing the drafts worth verifying
-            self.drafter.step_done(plan.num_tokens, time.perf_counter() - t0)
+            self.drafter.step_done(plan.num_tokens, t1 - t0)
         by_seq = {r.seq: res for r, res in zip(rows, results)}
         updates = sched.update(plan, [[res.token for res in row_results] for row_results in results])
         self.num_steps += 1
@@ -565,6 +568,8 @@ class Engine:
                 seq.score_prompt = False  # a recompute after preemption takes cache hits again
                 if seq.data.events:
                     seq.data.events[0].prompt_logprobs = [None, *seq.data.prompt_lps]
+        if host is not None and self.drafter is not None and self._ahead is None:
+            self.drafter.host_done(host + time.perf_counter() - t1)
 
     def _can_pipeline(self) -> bool:
         """Whether the next step may be built while this one evaluates

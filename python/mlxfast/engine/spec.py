@@ -165,11 +165,17 @@ class Acceptance:
 
 class StepCost:
     """Step time by the number of tokens the step computes: a running
-    average per count (counts past 256 in buckets of 64), read between
-    counts by linear interpolation and never lower than at a smaller count;
-    past the counts seen, along the slope of the last two (with one seen, a
-    tenth of its time per token: optimistic, so that a longer step gets
-    tried and measured). Not a line: one row streams the weights, each
+    average per count (counts past 256 in buckets of 64), read as the
+    non-decreasing curve nearest to them (isotonic regression, each count
+    weighted by its readings, up to WEIGHT_CAP), between counts by linear
+    interpolation; past the counts seen, along the slope of the last two,
+    at least FIRST_SLOPE of the last count's time per token (with one seen,
+    that: optimistic, so that a longer step gets tried and measured). A
+    running maximum read one stalled count as the floor of every longer
+    one: at eight streams on prose (the default model, 2 cores) one 6-token
+    reading of 48.5 ms made 8, 9 and 10 tokens cost the same, so 17% drafts
+    looked free and 362 of them were verified in 160 steps (0.87-0.92x of
+    speculation off). Not a line: one row streams the weights, each
     further token adds compute, and kernels change paths with the number of
     rows (measured on the default model, 2 cores: 1 row and 1, 2, 4, 8
     draft tokens 13.8, 15.0, 16.4, 19.5, 32 ms; 8 rows and as many drafts
@@ -183,14 +189,16 @@ class StepCost:
     takes it measures it anew (one step in EXPIRE at most)."""
 
     SMOOTH = 0.2
-    FIRST_SLOPE = 0.1  # per token, as a share of the one count seen
+    FIRST_SLOPE = 0.1  # per token, as a share of the last count's time
+    WEIGHT_CAP = 32  # readings
     EXPIRE = 1000  # readings
 
     def __init__(self, base: float = 5e-3, per_token: float = 5e-4):
         self.base, self.per_token = base, per_token  # before any step is measured
         self._counts: list[int] = []  # sorted
         self._seconds: list[float] = []  # running average at each count
-        self._floor: list[float] = []  # running maximum of those, by count
+        self._weight: list[int] = []  # readings of each count, up to WEIGHT_CAP
+        self._floor: list[float] = []  # the non-decreasing fit to them, by count
         self._read: list[int] = []  # the reading that last updated each count
         self._readings = 0
 
@@ -208,26 +216,24 @@ class StepCost:
             v = self._seconds[i]  # a stall (a collection, another process) moves it by at most 2x's share
             self._seconds[i] += self.SMOOTH * (min(seconds, 2 * v) - v)
             self._read[i] = self._readings
+            self._weight[i] = min(self._weight[i] + 1, self.WEIGHT_CAP)
         else:
             self._counts.insert(i, k)
             self._seconds.insert(i, seconds)
-            self._floor.insert(i, 0.0)
             self._read.insert(i, self._readings)
+            self._weight.insert(i, 1)
         stale = [j for j, r in enumerate(self._read) if self._readings - r >= self.EXPIRE]
         for j in reversed(stale):
-            for lst in (self._counts, self._seconds, self._floor, self._read):
+            for lst in (self._counts, self._seconds, self._read, self._weight):
                 del lst[j]
-        i = 0 if stale else i
-        top = self._floor[i - 1] if i else 0.0  # only counts from i on can change
-        for j in range(i, len(self._seconds)):
-            top = max(top, self._seconds[j])
-            self._floor[j] = top
+        self._floor = _isotonic(self._seconds, self._weight)
 
     def _slope(self, lo: int) -> float:
         counts, vals = self._counts, self._floor
+        least = self.FIRST_SLOPE * vals[-1] / counts[-1]
         if len(counts) == 1:
-            return self.FIRST_SLOPE * vals[0] / counts[0]
-        return (vals[lo + 1] - vals[lo]) / (counts[lo + 1] - counts[lo])
+            return least
+        return max(least, (vals[lo + 1] - vals[lo]) / (counts[lo + 1] - counts[lo]))
 
     def seconds(self, tokens: int) -> float:
         import bisect
@@ -246,8 +252,25 @@ class StepCost:
         return vals[i - 1] + (vals[i] - vals[i - 1]) * (tokens - lo) / (hi - lo)
 
 
+def _isotonic(values: list[float], weights: list[int]) -> list[float]:
+    """The non-decreasing sequence nearest to ``values`` in weighted least
+    squares (pool-adjacent-violators): a run that falls is replaced by its
+    weighted mean."""
+    pools: list[list[float]] = []  # [mean, weight, length]
+    for v, w in zip(values, weights):
+        pools.append([v, float(w), 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            v2, w2, n2 = pools.pop()
+            p = pools[-1]
+            p[0] = (p[0] * p[1] + v2 * w2) / (p[1] + w2)
+            p[1] += w2
+            p[2] += n2
+    return [v for v, _, n in pools for _ in range(int(n))]
+
+
 def select(candidates: list[list[float]], tokens: int, sampled: int, cost: StepCost,
-           draft_cost: StepCost | None = None, feeds: list[int] | None = None) -> list[int]:
+           draft_cost: StepCost | None = None, feeds: list[int] | None = None,
+           surcharge: float = 0.0) -> list[int]:
     """How many draft tokens each candidate row verifies. ``candidates``
     are, per row, the chance that each of its proposed tokens is accepted
     with those before it (non-increasing); the step already computes
@@ -261,7 +284,7 @@ def select(candidates: list[list[float]], tokens: int, sampled: int, cost: StepC
     draft model's j-th forward, which is batched over the rows drafting that
     far; ``feeds[i]`` is what row i adds to the first one (0: its drafts
     are free, a grammar's forced tokens), every later one takes a token a
-    row."""
+    row. ``surcharge`` is added to any step that drafts at all."""
     order = sorted(((p, i) for i, ps in enumerate(candidates) for p in ps), reverse=True)
     take = [0] * len(candidates)
     counted = [0] * len(candidates)
@@ -280,7 +303,7 @@ def select(candidates: list[list[float]], tokens: int, sampled: int, cost: StepC
             fed[f] += feeds[i] if f == 0 else 1
             drafting += draft_cost.seconds(fed[f]) - before
         counted[i] += 1
-        rate = expected / (cost.seconds(tokens + n) + drafting)
+        rate = expected / (cost.seconds(tokens + n) + drafting + surcharge)
         if rate > best_rate:
             best_rate, best = rate, n
     for _, i in order[:best]:
@@ -330,6 +353,7 @@ class Drafter:
         self.draft_cost = StepCost() if draft_model is not None else None
         self.lookup = MatchAcceptance()  # prompt lookup's acceptance, by match length
         self.pooled = Acceptance()  # a draft model's drafts, every row's: new rows' prior
+        self.host = 0.0  # a step's host work when nothing overlaps it (seconds, running average)
 
     def step_done(self, tokens: int, seconds: float) -> None:
         """A step's time: the target's share for ``cost``; a draft model's
@@ -359,6 +383,24 @@ class Drafter:
         sp.proposed_at = len(tokens)
         return p, self.lookup.chances(sp.match, len(p))
 
+    HOST_SMOOTH = 0.1
+
+    def host_done(self, seconds: float) -> None:
+        """The host work (planning, the graph build, output) of a step that
+        was not built ahead and did not build the next one: what breaking
+        the engine's async scheduling costs a step."""
+        self.host += self.HOST_SMOOTH * (seconds - self.host) if self.host else seconds
+
+    def _surcharge(self) -> float:
+        """What drafting costs beyond its step's own time: with prompt lookup
+        the steps are built ahead while none drafts, and a drafting step's
+        successor cannot be (its inputs depend on the drafts accepted), so
+        drafting costs one more step's host work that nothing overlaps (at
+        eight streams on prose, ~3 ms of a 25-28 ms step: unpriced, drafts
+        that paid by the step's own time lost 6-12% there). A draft model's
+        steps are never built ahead: nothing to add."""
+        return self.host if self.draft_model is None else 0.0
+
     def draft(self, rows: list[tuple[object, int]], tokens: int, sampled: int) -> list[list[int]]:
         """Drafts for ``(seq, at most k)`` rows of a step that computes
         ``tokens`` tokens and yields ``sampled`` tokens: proposals cut to
@@ -381,7 +423,7 @@ class Drafter:
         if self.select_all:
             take = [len(c) for c in chances]
         elif self.draft_model is None:
-            take = select(chances, tokens, sampled, self.cost)
+            take = select(chances, tokens, sampled, self.cost, surcharge=self._surcharge())
         else:
             feeds = [0 if sp.forced else self.draft_model.first_feed(seq) for sp, (_, seq, _) in zip(specs, live)]
             take = select(chances, tokens, sampled, self.cost, self.draft_cost, feeds)
@@ -425,7 +467,7 @@ class Drafter:
             return False
         if self.select_all:
             return True
-        return any(select(chances, tokens, sampled, self.cost))
+        return any(select(chances, tokens, sampled, self.cost, surcharge=self._surcharge()))
 
     def verified(self, seq, old_len: int, produced: list[int], drafted: int, accepted: int) -> None:
         """A step's outcome for a row it drafted for, or proposed to: the
