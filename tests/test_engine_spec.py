@@ -441,6 +441,33 @@ def test_a_stalled_shorter_count_does_not_make_drafts_free():
     assert select([[0.99, 0.98, 0.97]], 1, 1, one_row_cost()) == [3]  # one row's copy still drafts
 
 
+def test_drafting_pays_the_host_work_of_the_step_it_keeps_from_being_built_ahead(model, tok, reference, oracle):
+    """Undrafted prompt-lookup steps are built ahead; a drafting step's
+    successor cannot be, so a draft that pays by the step's own time alone
+    (eight rows, a 95% token) does not once that host work is counted; the
+    engine measures it on steps nothing overlapped."""
+    from mlxfast.engine.spec import Drafter
+
+    c = StepCost()
+    for _ in range(20):
+        c.observe(8, 28e-3)
+        c.observe(9, 31e-3)
+    assert select([[0.95]] + [[]] * 7, 8, 8, c) == [1] + [0] * 7
+    assert select([[0.95]] + [[]] * 7, 8, 8, c, surcharge=2.2e-3) == [0] * 8
+    d = Drafter(8)
+    d.host_done(2e-3)
+    d.host_done(4e-3)
+    assert d.host == pytest.approx(2e-3 + Drafter.HOST_SMOOTH * 2e-3) and d._surcharge() == d.host
+    assert Drafter(8, draft_model=object())._surcharge() == 0.0  # its steps are never built ahead
+    oracle.REFERENCE = {tuple(PROMPTS[2]): reference[2]}
+    eng = engine(model, tok)
+    try:
+        run_requests(eng, [Request(PROMPTS[2], greedy(N, ignore_eos=True))])
+        assert eng.drafter.host > 0  # its drafting steps were not built ahead
+    finally:
+        eng.shutdown()
+
+
 def one_row_cost():
     c = StepCost()
     for t in range(1, 10):
