@@ -458,7 +458,9 @@ def test_drafting_pays_the_host_work_of_the_step_it_keeps_from_being_built_ahead
     d.host_done(2e-3)
     d.host_done(4e-3)
     assert d.host == pytest.approx(2e-3 + Drafter.HOST_SMOOTH * 2e-3) and d._surcharge() == d.host
-    assert Drafter(8, draft_model=object())._surcharge() == 0.0  # its steps are never built ahead
+    for other in (Drafter(8, draft_model=object()), Drafter(8, ahead=False)):
+        other.host_done(2e-3)  # a draft model's steps are never built ahead, nor any without async scheduling
+        assert other.host == 2e-3 and other._surcharge() == 0.0
     oracle.REFERENCE = {tuple(PROMPTS[2]): reference[2]}
     eng = engine(model, tok)
     try:

@@ -336,8 +336,9 @@ class Engine:
                     draft = DraftModel(self.config.draft_model, self.num_blocks, self.block_size,
                                        self.kv_dtype, native=self.config.native_attention,
                                        max_catchup=self.config.max_num_batched_tokens)
-                self.drafter = self.scheduler.drafter = Drafter(self.config.num_draft_tokens, draft,
-                                                                   select_all=self.config.draft_select == "all")
+                self.drafter = self.scheduler.drafter = Drafter(
+                    self.config.num_draft_tokens, draft, select_all=self.config.draft_select == "all",
+                    ahead=self.config.async_scheduling and self.channel is None)
             if self.config.ssd_cache_dir:
                 from ..kv.ssd import open_tier
 

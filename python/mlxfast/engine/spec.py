@@ -344,9 +344,10 @@ class Drafter:
     sampling does not allow speculation). With ``draft_model``
     (engine/draft.py) drafts come from it, else from prompt lookup."""
 
-    def __init__(self, k_max: int, draft_model=None, select_all: bool = False):
+    def __init__(self, k_max: int, draft_model=None, select_all: bool = False, ahead: bool = True):
         self.k_max = k_max
         self.draft_model = draft_model
+        self.ahead = ahead  # whether the engine builds undrafted steps ahead (async scheduling)
         self.select_all = select_all  # verify every proposed token (--draft-select all)
         self.cost = StepCost()  # the target's step, without a draft model's forwards
         # A draft model's forward by the tokens it feeds (steady state only)
@@ -398,8 +399,9 @@ class Drafter:
         drafting costs one more step's host work that nothing overlaps (at
         eight streams on prose ~2.2 ms of a 25-28 ms step: unpriced, drafts
         that paid by the step's own time lost 6-12% there). A draft model's
-        steps are never built ahead: nothing to add."""
-        return self.host if self.draft_model is None else 0.0
+        steps are never built ahead, nor any without async scheduling:
+        nothing to add."""
+        return self.host if self.ahead and self.draft_model is None else 0.0
 
     def draft(self, rows: list[tuple[object, int]], tokens: int, sampled: int) -> list[list[int]]:
         """Drafts for ``(seq, at most k)`` rows of a step that computes
@@ -444,7 +446,7 @@ class Drafter:
         scheduling) and kept unless ``peek`` finds drafts worth verifying
         once the tokens it takes are known: prompt lookup (its proposals are
         free). A draft model's steps are never built ahead."""
-        return self.draft_model is None
+        return self.ahead and self.draft_model is None
 
     def peek(self, rows: list[tuple[object, list[int], int]], tokens: int, sampled: int) -> bool:
         """Whether the step after a plain one should draft: ``rows`` are its
