@@ -541,7 +541,7 @@ def test_peek_decides_on_the_known_tokens_as_draft_would():
         d.cost.observe(t, 6e-3 + 8e-4 * (t - 1))
     for _ in range(40):  # long matches have been right
         d.lookup.observe(32, [1] * 8, [1] * 9)
-    assert d.may_skip() and not Drafter(8, draft_model=object()).may_skip()
+    assert d.may_build_ahead() and not Drafter(8, draft_model=object()).may_build_ahead()
     toks = copying.tokens + [text[40]]  # the token just sampled: the copy goes on
     assert d.peek([(copying, toks, 8)], 1, 1)
     assert copying.data.spec.proposal == text[41:49] and copying.data.spec.proposed_at == len(toks)

@@ -582,7 +582,7 @@ class Engine:
         slot is free (they are admitted next)."""
         return (self.config.async_scheduling and self.channel is None
                 and not (self._incoming and not self.scheduler.batch_full()) and not self._stopping
-                and (self.drafter is None or self.drafter.may_skip()))
+                and (self.drafter is None or self.drafter.may_build_ahead()))
 
     def _sample_pipelined(self, plan, logits) -> list[list[Sampled]]:
         """Sample a plain decode step and, while its draw evaluates, build the

@@ -441,7 +441,7 @@ class Drafter:
             self.pooled.idle()
         return out
 
-    def may_skip(self) -> bool:
+    def may_build_ahead(self) -> bool:
         """Whether an undrafted step may be built ahead (the engine's async
         scheduling) and kept unless ``peek`` finds drafts worth verifying
         once the tokens it takes are known: prompt lookup (its proposals are
