@@ -987,3 +987,25 @@ def test_steps_that_draft_nothing_are_built_ahead(model, tok, reference, monkeyp
     assert res[0][0] == reference[1]
     assert stats["num_steps_ahead"] == stats["num_steps"] - 2 and stats["num_steps_dropped"] == 0
     assert stats["spec_decode"]["num_draft_tokens"] == 0
+
+
+def test_dropped_steps_change_no_sampled_token(model, tok, monkeypatch):
+    """Steps built ahead and dropped for drafting steps, again and again,
+    under seeded sampling with logprobs: every token and logprob is that of
+    decoding without speculation (a dropped step drew nothing)."""
+    reqs = [Request(p, sampled(200 + i, logprobs=True, top_logprobs=2)) for i, p in enumerate(PROMPTS[:4])]
+    plain, _ = run(model, tok, reqs, spec=False)
+    monkeypatch.setattr(spec_mod, "NgramProposer", Oracle)
+    Oracle.REFERENCE = {tuple(p): toks for p, (toks, _, _) in zip(PROMPTS, plain)}
+    calls = {"n": 0}
+
+    def select(candidates, *a, **k):  # drafts pay on two calls in four (a peek, then its step's draft)
+        calls["n"] += 1
+        return [len(c) if calls["n"] % 4 in (0, 1) else 0 for c in candidates]
+
+    monkeypatch.setattr(spec_mod, "select", select)
+    spec, stats = run(model, tok, reqs)
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    assert stats["num_steps_dropped"] >= 5 and stats["num_steps_ahead"] >= 5
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0
+
