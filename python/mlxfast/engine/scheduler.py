@@ -423,6 +423,12 @@ class Scheduler:
             self._grow(row.seq, row.start + 1)
         return StepPlan(rows)
 
+    def _draft_room(self, seq, pending: int = 0) -> int:
+        """How many drafts fit before max_tokens or the context ends, with
+        ``pending`` tokens sampled but not yet appended; the row's next token
+        comes anyway, so drafts are the tokens after it."""
+        return min(seq.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 1 - pending
+
     def wants_drafts(self, plan: StepPlan, sampled: dict) -> bool:
         """Whether ``plan``, built by ``plan_ahead`` before its inputs were
         known, should give way to a step that drafts, now that they are
@@ -432,7 +438,7 @@ class Scheduler:
         rows = []
         for row in plan.rows:
             seq = row.seq
-            room = min(seq.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 2
+            room = self._draft_room(seq, pending=1)
             if min(budget, room) > 0:
                 rows.append((seq, seq.tokens + [sampled[seq]], min(budget, room)))
         return bool(rows) and self.drafter.peek(rows, plan.num_tokens, len(plan.sample_rows))
@@ -447,8 +453,7 @@ class Scheduler:
             seq = row.seq
             if not (row.sample and row.n == 1):
                 continue
-            # the row's next token comes anyway: drafts are the tokens after it
-            room = min(seq.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 1
+            room = self._draft_room(seq)
             if min(budget, room) > 0:
                 rows.append((row, min(budget, room)))
         if not rows:

@@ -403,6 +403,12 @@ class Drafter:
         nothing to add."""
         return self.host if self.ahead and self.draft_model is None else 0.0
 
+    def _take(self, chances: list[list[float]], tokens: int, sampled: int) -> list[int]:
+        """How many of each row's free proposals (chances) a step verifies."""
+        if self.select_all:
+            return [len(c) for c in chances]
+        return select(chances, tokens, sampled, self.cost, surcharge=self._surcharge())
+
     def draft(self, rows: list[tuple[object, int]], tokens: int, sampled: int) -> list[list[int]]:
         """Drafts for ``(seq, at most k)`` rows of a step that computes
         ``tokens`` tokens and yields ``sampled`` tokens: proposals cut to
@@ -422,10 +428,8 @@ class Drafter:
             else:  # a draft model's tokens cost a forward each: choose lengths first
                 a = sp.acceptance.alpha
                 chances.append([a ** n for n in range(1, k + 1)])
-        if self.select_all:
-            take = [len(c) for c in chances]
-        elif self.draft_model is None:
-            take = select(chances, tokens, sampled, self.cost, surcharge=self._surcharge())
+        if self.select_all or self.draft_model is None:
+            take = self._take(chances, tokens, sampled)
         else:
             feeds = [0 if sp.forced else self.draft_model.first_feed(seq) for sp, (_, seq, _) in zip(specs, live)]
             take = select(chances, tokens, sampled, self.cost, self.draft_cost, feeds)
@@ -467,9 +471,7 @@ class Drafter:
             chances.append(self._propose(sp, seq, toks, min(k, self.k_max))[1])
         if not any(chances):
             return False
-        if self.select_all:
-            return True
-        return any(select(chances, tokens, sampled, self.cost, surcharge=self._surcharge()))
+        return any(self._take(chances, tokens, sampled))
 
     def verified(self, seq, old_len: int, produced: list[int], drafted: int, accepted: int) -> None:
         """A step's outcome for a row it drafted for, or proposed to: the
