@@ -124,8 +124,8 @@ def test_avx2_rows_do_not_depend_on_their_call_at_any_size(bits):
     """On AVX2 the layout runs in one arithmetic at every number of rows
     (the tile, then from 32 rows a GEMM over converted codes; both beat the
     dequantized-panel GEMM there): a row's result is the same alone and in
-    calls of any size. K = 4,096: bands of 16
-    activation rows, so 300 rows span 19 of them."""
+    calls of any size. K = 4,096: the GEMM's bands are 96 rows (32
+    micro-tiles of 3), so 300 rows span 4 of them, the last one partial."""
     ops.set_cpu_path("avx2")
     try:
         (_, _, _), p = packed(48, 4096, 64, mx.float16, bits=bits)

@@ -308,6 +308,13 @@ inline void r16_run_blocks(const Args& a, const float* xp, int64_t b0, int64_t b
 // y). No mask or conversion per row pass: the FMA units are what is left.
 constexpr int kR16GMR = 3;       // activation rows per micro-tile: 12 chains + 2 + 1 registers
 constexpr int64_t kR16KC = 256;  // keys per code panel (whole groups): 16 KB, L1
+// Micro-tiles a band has at least, whatever K: each code panel is converted
+// once per band, so at large K an L2-sized band (6 rows at K = 8192) spent
+// about a third of the time converting. A longer band's x comes from L3 at
+// ~4 bytes a cycle, which L3 keeps up with. 2-core Zen 3, alternating runs:
+// 2048 x 8192 at 64-512 rows 88-105 -> 109-134 GFLOP/s, 16384 x 2048 at 512
+// rows 105-108 -> 123-127; shapes whose band was already longer unchanged.
+constexpr int64_t kR16MinBandTiles = 32;
 
 // Block blk's codes at keys [kb, ke) as floats bp[k - kb][16], its groups'
 // scales and biases as sp, bq [group - kb / gs][16].
@@ -415,7 +422,7 @@ void r16_gemm_bits(const Args& a) {
   const int64_t NB = a.N / 16;
   const int64_t kc_max = (kR16KC / gs > 0 ? kR16KC / gs : 1) * gs;
   int64_t pc = kR16BandBytes / (K * MR * 4);
-  if (pc < 1) pc = 1;
+  if (pc < kR16MinBandTiles) pc = kR16MinBandTiles;
   auto body = [pa, ap, sxp, K, M, G, gs, P, kc_max, pc, NB](int64_t t0, int64_t t1) {
     const Args& a = *pa;
     float* bp = tl_w.get(static_cast<size_t>(kc_max * 16 + 2 * (kc_max / gs) * 16));
