@@ -49,3 +49,26 @@ def test_earliest_stop_wins():
     pieces = ["xxABCDyy"]
     emitted, rest, stop = run(pieces, ["CD", "AB"], [0])
     assert emitted == ["xx"] and stop == "AB" and rest == ""
+
+
+def run_with(pieces, stop, ids, **kw):
+    out = OutputProcessor(Tok(pieces), stop, **kw)
+    emitted = []
+    for t in ids:
+        emitted.append(out.add(t))
+        if out.stop_string:
+            break
+    return "".join(emitted) + out.finish(), out.stop_string
+
+
+def test_min_tokens_lets_stop_strings_match_only_after_it():
+    pieces = ["a.", "b.", "c.", "d"]
+    assert run_with(pieces, ["."], [0, 1, 2, 3]) == ("a", ".")
+    assert run_with(pieces, ["."], [0, 1, 2, 3], min_tokens=2) == ("a.b.c", ".")
+    assert run_with(pieces, ["."], [0, 1, 2, 3], min_tokens=4) == ("a.b.c.d", None)
+
+
+def test_include_stop_str_in_output_ends_the_text_with_it():
+    pieces = ["Hel", "lo ", "wo", "rld", "!"]
+    assert run_with(pieces, ["o wor"], [0, 1, 2, 3, 4], include_stop=True) == ("Hello wor", "o wor")
+    assert run_with(pieces, ["!", "wo"], [0, 1, 2, 3, 4], include_stop=True) == ("Hello wo", "wo")

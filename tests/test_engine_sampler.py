@@ -139,3 +139,22 @@ def test_grammar_mask_and_error_rows():
     assert r[0].token in (7, 8) and r[0].error is None
     assert r[1].error is not None
     assert r[2].token == int(x.argmax()) and r[2].error is None
+
+
+def test_min_tokens_bans_the_stop_tokens_by_position():
+    """Short of min_tokens a row cannot sample its stop tokens (EOS, stop
+    ids); the position counts the tokens out plus ``ahead`` (a verified
+    draft's position), and a grammar row is left to its grammar."""
+    x = base_logits(3)
+    order = np.argsort(-x)
+    eos, stop, third = int(order[0]), int(order[1]), int(order[2])
+
+    def st(out, **kw):  # ``out`` tokens generated so far
+        return SamplingState.create(SamplingParams(**{"temperature": 0, **kw}), [1, 2] + [7] * out, 2,
+                                    {eos, stop})
+
+    rows = [st(0, min_tokens=2), st(1, min_tokens=2), st(2, min_tokens=2), st(0), st(0, min_tokens=2)]
+    got = [r.token for r in sample(logits_rows([x] * 5), rows, ahead=[0, 0, 0, 0, 2])]
+    assert got == [third, third, eos, eos, eos]
+    seeded = [st(0, min_tokens=5, temperature=1.0, seed=s) for s in range(40)]
+    assert all(r.token not in (eos, stop) for r in sample(logits_rows([x * 0.1] * 40), seeded))

@@ -122,6 +122,24 @@ def test_a_stop_token_inside_an_accepted_run(model, tok, reference, oracle):
         assert sfin.completion_tokens == pfin.completion_tokens
 
 
+def test_min_tokens_under_speculation_is_min_tokens_without(model, tok, reference, oracle):
+    """The stop token is banned by position (drafts verified at their own
+    positions): drafts that would stop short of min_tokens are rejected,
+    and the output is what decoding without speculation gives."""
+    oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    reqs = []
+    for p, r in zip(PROMPTS, reference):
+        j = next(j for j in range(4, N) if r[j] not in r[:j])
+        reqs.append(Request(p, greedy(N, stop_token_ids={r[j]}, ignore_eos=True, min_tokens=j + 3)))
+    plain, _ = run(model, tok, reqs, spec=False)
+    spec, stats = run(model, tok, reqs)
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    for req, (ptoks, _, pfin), (stoks, _, sfin) in zip(reqs, plain, spec):
+        (t,) = req.params.stop_token_ids
+        assert stoks == ptoks and sfin.finish_reason == pfin.finish_reason
+        assert len(stoks) >= req.params.min_tokens and t not in stoks[:req.params.min_tokens]
+
+
 def test_a_stop_string_inside_an_accepted_run(model, tok, reference, oracle):
     oracle.REFERENCE = {tuple(p): r for p, r in zip(PROMPTS, reference)}
     reqs = []

@@ -301,3 +301,156 @@ def test_billing_line_is_cut_only_where_claude_code_puts_it():
     assert strip_billing_header(later) == later  # only a leading line is the billing header
     user = [{"role": "user", "content": line}]
     assert strip_billing_header(user) == user
+
+
+# ------------------------------------------------ vLLM's request fields (supported, not dropped)
+
+
+def chat(server, **body):
+    body.setdefault("messages", ASK)
+    return httpx.post(server.url + "/v1/chat/completions", headers=server.headers, json=body, timeout=120)
+
+
+def test_min_tokens_keeps_eos_and_stop_strings_off_until_it(server):
+    hello = [{"role": "user", "content": "Say hello."}]
+    plain = chat(server, messages=hello, max_tokens=60, temperature=0).json()
+    n = plain["usage"]["completion_tokens"]
+    assert plain["choices"][0]["finish_reason"] == "stop" and n < 55  # the answer ends by itself
+    longer = chat(server, messages=hello, max_tokens=60, temperature=0, min_tokens=n + 5).json()
+    assert longer["usage"]["completion_tokens"] >= n + 5
+    assert longer["choices"][0]["message"]["content"].startswith(plain["choices"][0]["message"]["content"])
+    text = plain["choices"][0]["message"]["content"]
+    stop = text[1:3]  # matches at once without min_tokens
+    cut = chat(server, messages=hello, max_tokens=60, temperature=0, stop=[stop]).json()
+    assert cut["choices"][0]["message"]["content"] == text[:1]
+    late = chat(server, messages=hello, max_tokens=60, temperature=0, stop=[stop], min_tokens=6).json()
+    assert late["usage"]["completion_tokens"] >= 6 and len(late["choices"][0]["message"]["content"]) > 1
+    r = chat(server, max_tokens=5, min_tokens=6)
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+
+
+def test_include_stop_str_in_output(server, openai_client):
+    text = chat(server, max_tokens=30, temperature=0).json()["choices"][0]["message"]["content"]
+    stop = text.split()[1]
+    cut = chat(server, max_tokens=30, temperature=0, stop=[stop]).json()["choices"][0]["message"]["content"]
+    kept = chat(server, max_tokens=30, temperature=0, stop=[stop],
+                include_stop_str_in_output=True).json()["choices"][0]["message"]["content"]
+    assert kept == cut + stop
+    r = openai_client.completions.create(model="m", prompt="One, two, three,", max_tokens=20, temperature=0,
+                                         stop=[","], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text.endswith(",") and r.choices[0].text.count(",") == 1
+
+
+@pytest.mark.parametrize("field, value, check", [
+    ("guided_choice", ["yes", "no"], lambda t: t in ("yes", "no")),
+    ("guided_regex", "[0-9]{3}-[a-z]{2}", lambda t: __import__("re").fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ("guided_json", json.dumps({"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+                                "required": ["n"], "additionalProperties": False}),
+     lambda t: set(json.loads(t)) == {"n"} and isinstance(json.loads(t)["n"], int)),
+    ("structured_outputs", {"choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+    ("structured_outputs", {"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+])
+def test_vllm_structured_output_fields_are_enforced(server, field, value, check):
+    r = chat(server, max_tokens=40, temperature=0, **{field: value})
+    assert r.status_code == 200, r.text
+    assert check(r.json()["choices"][0]["message"]["content"])
+    c = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=120,
+                   json={"prompt": "Answer:", "max_tokens": 40, "temperature": 0, field: value})
+    assert c.status_code == 200
+    choice = c.json()["choices"][0]
+    if choice["finish_reason"] == "length":  # any JSON object may run past max_tokens: its start
+        assert field == "structured_outputs" and choice["text"].startswith("{"), choice
+    else:
+        assert check(choice["text"]), choice
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs.grammar"),
+    ({"guided_grammar": "root ::= \"a\""}, "guided_grammar"),
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+])
+def test_vllm_structured_output_that_cannot_be_enforced_is_a_400(server, body, param):
+    r = chat(server, max_tokens=4, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(server):
+    def chunks(path, body):
+        with httpx.stream("POST", server.url + path, headers=server.headers, timeout=120, json=dict(
+                body, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})) as r:
+            return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+
+    got = chunks("/v1/chat/completions", {"messages": ASK, "max_tokens": 6, "temperature": 0})
+    *choice_chunks, last = got
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    used = [c["usage"]["completion_tokens"] for c in choice_chunks]
+    assert used == sorted(used) and used[0] == 0 and used[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in choice_chunks)
+    got = chunks("/v1/completions", {"prompt": "Hello", "max_tokens": 3, "n": 2, "temperature": 1, "seed": 1})
+    for i in (0, 1):
+        used = [c["usage"]["completion_tokens"] for c in got if c["choices"] and c["choices"][0]["index"] == i]
+        assert used[-1] == 3 and used == sorted(used)
+    assert got[-1]["usage"]["completion_tokens"] == 6
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers, timeout=120, json={
+            "messages": ASK, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        plain = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in plain if "usage" in c] == [3]  # the last chunk only
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": ASK, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"messages": ASK, "functions": [{"name": "f", "parameters": {"type": "array"}}]},
+     "functions[0].parameters"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     "tools[0].parameters"),
+])
+def test_a_tool_whose_arguments_are_not_an_object_is_refused(server, path, body, param):
+    r = httpx.post(server.url + path, headers=server.headers, json=dict(body, max_tokens=4) if "messages" in body
+                   else dict(body, max_output_tokens=4), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_anthropic_tool_whose_input_is_not_an_object_is_refused(server):
+    r = httpx.post(server.url + "/v1/messages", headers=server.headers, timeout=60, json={
+        "model": "m", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"},
+        "tools": [{"name": "f", "input_schema": {"type": "string"}}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "tools[0].input_schema" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", lambda n: {"prompt": [1] * n, "max_tokens": 2}, "prompt"),
+    ("/v1/responses", lambda n: {"input": "hi " * n, "max_output_tokens": 2}, "input"),
+    ("/v1/chat/completions", lambda n: {"messages": [{"role": "user", "content": "hi " * n}], "max_tokens": 2},
+     "messages"),
+])
+def test_a_context_overflow_names_the_prompts_field(server, path, body, param):
+    n = httpx.post(server.url + "/tokenize", json={"prompt": "x"}, headers=server.headers).json()["max_model_len"]
+    r = httpx.post(server.url + path, headers=server.headers, json=body(n + 10), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == param
+
+
+def test_anthropic_output_format_beta_name_and_count_tokens_with_a_format(server):
+    def post(path, **body):
+        return httpx.post(server.url + path, headers=server.headers, timeout=60, json={
+            "model": "default", "messages": [{"role": "user", "content": "Name a city, as JSON."}], **body})
+
+    fmt = {"type": "json_schema", "schema": CITY}
+    m = post("/v1/messages", max_tokens=30, temperature=0, output_format=fmt)
+    assert m.status_code == 200, m.text
+    assert set(json.loads(m.json()["content"][0]["text"])) == {"city"}
+    both = post("/v1/messages", max_tokens=30, output_format=fmt, output_config={"format": fmt})
+    assert both.status_code == 400 and both.json()["type"] == "error"
+    usage = m.json()["usage"]
+    for extra in ({"output_config": {"format": fmt}}, {"output_format": fmt}, {"output_config": {}}):
+        r = post("/v1/messages/count_tokens", **extra)
+        assert r.status_code == 200, r.text
+        assert r.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]

@@ -356,6 +356,48 @@ def test_stored_response_retrieve_input_items_delete(client, server):
     assert get(server, f"/v1/responses/{r.id}/input_items").status_code == 404
 
 
+def test_a_child_of_a_deleted_response_can_still_be_continued(client, server):
+    """Deleting A hides it (no GET, no continuing from it), but B, which
+    continues A and can still be read, can still be continued: A's turn is
+    kept for it (OpenAI's behaviour)."""
+    a = client.responses.create(model="m", input="My name is Ada.", max_output_tokens=3, temperature=0)
+    b = client.responses.create(model="m", input="And yours?", previous_response_id=a.id,
+                                max_output_tokens=3, temperature=0)
+    client.responses.delete(a.id)
+    assert get(server, f"/v1/responses/{a.id}").status_code == 404
+    assert get(server, f"/v1/responses/{b.id}").status_code == 200
+    c = client.responses.create(model="m", input="What is my name?", previous_response_id=b.id,
+                                max_output_tokens=3, temperature=0)
+    # the whole conversation is the prompt: A's turn is still in it
+    assert c.usage.input_tokens > b.usage.input_tokens > a.usage.input_tokens
+    cont = post(server, {"input": "x", "previous_response_id": a.id, "max_output_tokens": 2})
+    assert cont.status_code == 404 and cont.json()["error"]["param"] == "previous_response_id"
+    assert httpx.delete(server.url + f"/v1/responses/{a.id}", headers=server.headers, timeout=60).status_code == 404
+
+
+def test_response_store_keeps_a_deleted_turn_only_while_it_is_continued():
+    from mlxfast.server.response_store import ResponseStore, StoredResponse
+
+    def entry(rid, prev):
+        return StoredResponse({"id": rid}, [{"role": "user", "content": rid}], [], prev)
+
+    store = ResponseStore(capacity=3)
+    for rid, prev in (("a", None), ("b", "a"), ("c", "b")):
+        store.put(entry(rid, prev))
+    assert store.delete("b") and not store.delete("b")
+    assert store.get("b") is None and store.history("b") is None
+    assert [m["content"] for m in store.history("c")] == ["a", "b", "c"]
+    assert store.delete("c")  # nothing continues b any more: b and c go, a stays
+    assert len(store) == 1 and store.get("a") is not None
+    store.put(entry("d", "a"))
+    assert store.delete("a") and len(store) == 2  # a kept, hidden, for d
+    store.put(entry("e", None))
+    store.put(entry("f", None))  # evicts a (the oldest), then d is the oldest
+    assert store.history("d") is None and store.get("d") is not None
+    store.put(entry("g", None))  # d evicted
+    assert store.get("d") is None and len(store) == 3
+
+
 def test_input_items_lists_every_item_in_order(client, server):
     inp = [{"type": "message", "role": "developer", "content": "Be brief."},
            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "one"}]},

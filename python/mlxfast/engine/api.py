@@ -43,6 +43,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, never emitted
     stop_token_ids: set[int] = field(default_factory=set)  # besides the model's EOS
     ignore_eos: bool = False
+    # vLLM's: until this many tokens are out, stop and EOS tokens are not
+    # sampled and stop strings do not match (a grammar row ends where its
+    # grammar says).
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string ends the text
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
     prompt_logprobs: int | None = None  # score the prompt, k (0..20) best alternatives per position

@@ -473,8 +473,9 @@ class Engine:
                   stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos),
                   namespace=f"{self._namespace}|{request.cache_salt}".encode(),
                   score_prompt=p.prompt_logprobs is not None, data=st)
-        st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len)
-        st.out = OutputProcessor(self.tokenizer, p.stop)
+        st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len, seq.stop_ids)
+        st.out = OutputProcessor(self.tokenizer, p.stop, min_tokens=p.min_tokens,
+                                 include_stop=p.include_stop_str_in_output)
         if self.config.spec_kind and speculation_allowed(p):
             st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max, forced=p.grammar is not None,
                               pooled=self.drafter.pooled)

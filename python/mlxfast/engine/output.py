@@ -19,15 +19,22 @@ class _NullDetok:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    """``min_tokens``: text of the first that many tokens goes out unchecked
+    (vLLM's: stop strings match only after it); ``include_stop``: a matched
+    stop string is the end of the text instead of being cut."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None, min_tokens: int = 0,
+                 include_stop: bool = False):
         self.detok = tokenizer.detokenizer() if tokenizer is not None else _NullDetok()
         self.stop = [s for s in (stop or []) if s]
         self.held = ""
         self.stop_string: str | None = None
+        self.min_tokens, self.include_stop = min_tokens, include_stop
+        self.n_tokens = 0
 
     def _release(self, text: str, final: bool) -> str:
         """Append text; return what can be emitted. Sets ``stop_string`` on a match."""
-        if not self.stop:
+        if not self.stop or self.n_tokens <= self.min_tokens:  # nothing held back then
             return text
         buf = self.held + text
         best = None
@@ -38,7 +45,7 @@ class OutputProcessor:
         if best is not None:
             self.held = ""
             self.stop_string = best[1]
-            return buf[:best[0]]
+            return buf[:best[0] + (len(best[1]) if self.include_stop else 0)]
         if final:
             self.held = ""
             return buf
@@ -48,6 +55,7 @@ class OutputProcessor:
 
     def add(self, token_id: int) -> str:
         """Text this token made final ("" while held back). Check ``stop_string`` after."""
+        self.n_tokens += 1
         return self._release(self.detok.add(token_id), final=False)
 
     def finish(self) -> str:

@@ -8,6 +8,7 @@ settings the rows have (rows that do not use a feature get its neutral value):
    multiplied), presence and frequency penalties (OpenAI: over the output),
 2. ``logit_bias``,
 3. the structured-output mask (llguidance bitmask; banned tokens -> -inf),
+   and the stop and EOS tokens of a row short of its ``min_tokens``,
 4. greedy rows (``temperature == 0``) take the argmax here; the others divide
    by temperature, apply top-k, then top-p (on the top-k renormalised
    distribution), then min-p, and sample by Gumbel-max with noise from a
@@ -50,15 +51,22 @@ class SamplingState:
     prompt_len: int
     seed: int
     matcher: object | None = None  # llguidance.LLMatcher
+    stop_ids: tuple[int, ...] = ()  # the tokens that end it (not sampled before params.min_tokens)
 
     @classmethod
-    def create(cls, params: SamplingParams, tokens: list[int], prompt_len: int):
+    def create(cls, params: SamplingParams, tokens: list[int], prompt_len: int, stop_ids=()):
         check_params(params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         matcher = params.grammar() if params.grammar is not None else None
         if matcher is not None and matcher.is_error():
             raise ValueError(f"invalid grammar: {matcher.get_error()}")
-        return cls(params, tokens, prompt_len, seed, matcher)
+        return cls(params, tokens, prompt_len, seed, matcher, tuple(sorted(stop_ids)))
+
+    def bans_stops(self, ahead: int = 0) -> bool:
+        """Whether the position ``ahead`` past the next one must not end
+        the output (``min_tokens``; a grammar row's grammar decides)."""
+        return (self.step + ahead < self.params.min_tokens and bool(self.stop_ids)
+                and self.matcher is None)
 
     @property
     def step(self) -> int:
@@ -76,6 +84,8 @@ def check_params(p: SamplingParams) -> None:
     for name in _FLOAT_FIELDS:
         if not np.isfinite(getattr(p, name)):
             raise ValueError(f"{name} must be finite, got {getattr(p, name)}")
+    if not 0 <= p.min_tokens < (1 << 31):
+        raise ValueError(f"min_tokens must be within [0, 2^31), got {p.min_tokens}")
     if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
     if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS:
@@ -135,10 +145,10 @@ def choose(logits: mx.array, states: list[SamplingState], ahead: list[int] | Non
     x = logits.astype(mx.float32)
     plain = all(p.temperature <= 0 and p.repetition_penalty == 1 and not p.presence_penalty
                 and not p.frequency_penalty and not p.logit_bias and s.matcher is None
-                for p, s in zip(ps, states))
+                and not s.bans_stops(a) for p, s, a in zip(ps, states, ahead))
     if plain:
         return mx.argmax(x, axis=-1)
-    x = _process(x, states, ps, V, errors)
+    x = _process(x, states, ps, V, errors, ahead)
     temps = np.array([p.temperature for p in ps], np.float32)
     if (temps <= 0).all():
         return mx.argmax(x, axis=-1)
@@ -221,7 +231,7 @@ class PendingSample:
         return result
 
 
-def _process(x: mx.array, states, ps, V: int, errors) -> mx.array:
+def _process(x: mx.array, states, ps, V: int, errors, ahead) -> mx.array:
     R = len(ps)
     rep = np.array([p.repetition_penalty for p in ps], np.float32)
     pres = np.array([p.presence_penalty for p in ps], np.float32)
@@ -251,6 +261,13 @@ def _process(x: mx.array, states, ps, V: int, errors) -> mx.array:
                     bias[i, int(t)] += float(b)
         x = x + mx.array(bias)
     allowed = _grammar_mask(states, V, errors)
+    banned = [i for i, (s, a) in enumerate(zip(states, ahead)) if s.bans_stops(a)]
+    if banned:
+        if allowed is None:
+            allowed = np.ones((R, V), bool)
+        for i in banned:
+            ids = [t for t in states[i].stop_ids if 0 <= t < V]
+            allowed[i, ids] = False
     if allowed is not None:
         x = mx.where(mx.array(allowed), x, -mx.inf)
     return x

@@ -123,17 +123,22 @@ def chat_request(body) -> ChatRequest:
     ctype = choice.type if choice else "auto"
     if ctype == "tool" and not choice.name:
         raise bad_request("tool_choice of type 'tool' needs a 'name'")
-    config = getattr(body, "output_config", None)
-    fmt = config.format if config is not None else None
+    fmt = body.output_config.format if body.output_config is not None else None
+    output_param = "output_config.format.schema"
+    if body.output_format is not None:
+        if fmt is not None:
+            raise bad_request("give output_config.format or output_format (its beta name), not both",
+                              "output_format")
+        fmt, output_param = body.output_format, "output_format.schema"
     return ChatRequest(
         messages=to_messages(body), sampling=body, max_tokens=getattr(body, "max_tokens", None),
         stop=getattr(body, "stop_sequences", None), tools=_tools(body), tool_choice=_TOOL_CHOICES[ctype],
         forced_tool=choice.name if ctype == "tool" else None,
         max_tool_calls=1 if choice is not None and choice.disable_parallel_tool_use else None,
         json_output=fmt is not None, output_schema=fmt.schema_ if fmt is not None else None,
-        output_param="output_config.format.schema",
+        output_param=output_param,
         thinking=None if body.thinking is None else body.thinking.type != "disabled",
-        id_prefix="msg_")
+        id_prefix="msg_", tool_params_param="tools[{i}].input_schema")
 
 
 def _prepare(state, body):

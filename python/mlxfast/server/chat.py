@@ -43,6 +43,9 @@ class ChatRequest:
     json_output: bool = False  # the answer is JSON: any object, or ``output_schema``
     output_schema: dict | None = None
     output_param: str = "response_format"  # the field named in its errors
+    tool_params_param: str = "tools[{i}].function.parameters"  # a tool's schema, as its errors name it
+    prompt_param: str = "messages"  # the field a context overflow names
+    guided: tuple | None = None  # vLLM's structured output (grammar.guided_spec): (kind, value, param)
     thinking: bool | None = None  # asked for explicitly (None: the template's default)
     template_kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True
@@ -73,6 +76,16 @@ def _check_tools(chat: ChatRequest) -> bool:
     if chat.tool_choice not in TOOL_CHOICES:
         raise bad_request(f"unknown tool_choice {chat.tool_choice!r}", "tool_choice")
     names = [t["function"]["name"] for t in chat.tools or []]
+    for i, t in enumerate(chat.tools or []):
+        # A call's arguments are an object (OpenAI and Anthropic reject any
+        # other schema): a forced call under another one would be markup the
+        # parser cannot read back as a call.
+        params = t["function"].get("parameters")
+        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+            got = params.get("type") if isinstance(params, dict) else type(params).__name__
+            param = chat.tool_params_param.format(i=i)
+            raise bad_request(f"{param}: the schema of tool '{names[i]}' must have type 'object' "
+                              f"(a call's arguments are an object), got {got!r}", param)
     if chat.tool_choice in ("required", "function") and not names:
         raise bad_request("tool_choice requires tools", "tool_choice")
     if chat.tool_choice == "function" and chat.forced_tool not in names:
@@ -88,13 +101,17 @@ def render(state, chat: ChatRequest) -> tuple[ChatPrompt, bool]:
     """The prompt (rendered and tokenized) and whether tools are on."""
     require_template(state.tokenizer)  # before anything else: no chat request can work without one
     use_tools = _check_tools(chat)
-    constrained = chat.json_output or _forces_call(chat, use_tools)
+    if chat.guided is not None and (chat.json_output or _forces_call(chat, use_tools)):
+        raise bad_request(f"{chat.guided[2]} cannot be combined with {chat.output_param} or a forced tool call",
+                          chat.guided[2])
+    constrained = chat.json_output or _forces_call(chat, use_tools) or chat.guided is not None
     kwargs = dict(chat.template_kwargs)
     if chat.thinking is not None:
         if chat.thinking and constrained:
             raise bad_request("thinking cannot be enabled together with a structured output format or a "
                               "forced tool call: the grammar leaves no room for a thinking block",
-                              chat.output_param if chat.json_output else "tool_choice")
+                              chat.output_param if chat.json_output else
+                              chat.guided[2] if chat.guided is not None else "tool_choice")
         kwargs["enable_thinking"] = chat.thinking
     elif constrained:
         kwargs["enable_thinking"] = False  # the grammar leaves no room for <think>
@@ -109,6 +126,8 @@ def _grammar(state, chat: ChatRequest, prompt: ChatPrompt, use_tools: bool):
     """The grammar the answer must follow, or None. A forced call is one call
     in the model's tool markup; tools left to the model's choice together
     with a JSON format allow either a call or the JSON answer."""
+    if chat.guided is not None:
+        return state.grammar.guided(*chat.guided)
     answer = (chat.output_schema if chat.output_schema is not None else {"type": "object"}) \
         if chat.json_output else None
     if use_tools and (_forces_call(chat, use_tools) or answer is not None):
@@ -126,7 +145,7 @@ def prepare(state, chat: ChatRequest) -> Prepared:
     rendering, tokenizing and grammar compiling take time)."""
     prompt, use_tools = render(state, chat)
     grammar = _grammar(state, chat, prompt, use_tools)
-    max_tokens = gen.cap_max_tokens(state, len(prompt.ids), chat.max_tokens)
+    max_tokens = gen.cap_max_tokens(state, len(prompt.ids), chat.max_tokens, chat.prompt_param)
     params = gen.sampling_params(state, chat.sampling, max_tokens, stop=chat.stop, logprobs=chat.logprobs,
                                  top_logprobs=chat.top_logprobs, grammar=grammar)
     request = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=new_id(chat.id_prefix),

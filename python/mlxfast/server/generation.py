@@ -35,21 +35,22 @@ class Step:
     heartbeat: bool = False
 
 
-def context_overflow(n_prompt: int, max_len: int) -> APIError:
+def context_overflow(n_prompt: int, max_len: int, param: str = "messages") -> APIError:
     return APIError(
         400,
         f"This model's maximum context length is {max_len} tokens; the prompt has "
         f"{n_prompt} tokens, leaving no room to generate.",
-        "invalid_request_error", param="messages", code="context_length_exceeded",
+        "invalid_request_error", param=param, code="context_length_exceeded",
     )
 
 
-def cap_max_tokens(state: ServerState, n_prompt: int, requested: int | None) -> int:
+def cap_max_tokens(state: ServerState, n_prompt: int, requested: int | None, param: str = "messages") -> int:
     """The request's max_tokens, capped to the room the context leaves;
-    a 400 when the prompt alone fills the context."""
+    a 400 (naming the prompt's field, ``param``) when the prompt alone fills
+    the context."""
     max_len = state.max_model_len
     if n_prompt >= max_len:
-        raise context_overflow(n_prompt, max_len)
+        raise context_overflow(n_prompt, max_len, param)
     want = requested if requested is not None else state.settings.default_max_tokens
     return max(1, min(want, max_len - n_prompt))
 
@@ -58,9 +59,15 @@ def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, log
                     top_logprobs=0, grammar=None) -> SamplingParams:
     """SamplingParams from the OpenAI-style fields of ``body`` (and server defaults)."""
     s = state.settings
+    declared = getattr(type(body), "model_fields", None)
+
+    def field(name):
+        """A field of the body's API; an undeclared one (kept by extra="allow",
+        unvalidated) is ignored, as unknown fields are."""
+        return getattr(body, name, None) if declared is None or name in declared else None
 
     def pick(name, default):
-        v = getattr(body, name, None)
+        v = field(name)
         return default if v is None else v
 
     temperature = pick("temperature", s.default_temperature if s.default_temperature is not None else 1.0)
@@ -70,12 +77,12 @@ def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, log
     if top_k < 0 or top_k >= vocab:  # -1 (vLLM) or a k that keeps every token: off
         top_k = 0
     bias: dict[int, float] = {}
-    for k, v in (getattr(body, "logit_bias", None) or {}).items():
+    for k, v in (field("logit_bias") or {}).items():
         tid = int(k)
         if not 0 <= tid < vocab:
             raise bad_request(f"logit_bias token id {tid} is outside the vocabulary (size {vocab})", "logit_bias")
         bias[tid] = float(v)
-    stop_ids = set(getattr(body, "stop_token_ids", None) or [])
+    stop_ids = set(field("stop_token_ids") or [])
     for tid in stop_ids:
         if not 0 <= tid < vocab:
             raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
@@ -91,10 +98,12 @@ def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, log
         presence_penalty=float(pick("presence_penalty", 0.0)),
         frequency_penalty=float(pick("frequency_penalty", 0.0)),
         logit_bias=bias,
-        seed=getattr(body, "seed", None),
+        seed=field("seed"),
         stop=list(stop or []),
         stop_token_ids=stop_ids,
-        ignore_eos=bool(getattr(body, "ignore_eos", False)),
+        ignore_eos=bool(field("ignore_eos")),
+        min_tokens=min(int(field("min_tokens") or 0), max_tokens),
+        include_stop_str_in_output=bool(field("include_stop_str_in_output")),
         logprobs=bool(logprobs),
         top_logprobs=int(top_logprobs or 0),
         grammar=grammar,

@@ -91,6 +91,31 @@ class GrammarCompiler:
                               param) from None
         return self._factory(grammar, param)
 
+    def guided(self, kind: str, value: Any, param: str) -> Callable[[], Any]:
+        """vLLM's structured output (``guided_spec``): a JSON schema, a
+        regular expression the whole output matches, or one of the choices."""
+        import llguidance
+
+        if kind == "json":
+            return self.json_schema(value, param)
+        if kind == "regex":
+            if not isinstance(value, str) or not value:
+                raise bad_request(f"{param} must be a non-empty string", param)
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_regex(value)
+            except (ValueError, TypeError) as e:
+                raise bad_request(f"{param} is not a regular expression mlxfast can enforce: "
+                                  f"{_first_line(str(e))}", param) from None
+            return self._factory(grammar, param)
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad_request(f"{param} must be a list of non-empty strings", param)
+        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value) + "\n"
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"{param} cannot be enforced: {_first_line(str(e))}", param) from None
+        return self._factory(grammar, param)
+
     def _marker(self, text: str, param: str) -> str:
         """A Lark literal for ``text``; a single special token is written as its id."""
         ids = self._tokenizer.encode(text, add_special_tokens=False)
@@ -146,6 +171,48 @@ class GrammarCompiler:
             raise bad_request(f"{param}: a tool's parameters (or {answer_param}) are not a JSON schema mlxfast "
                               f"can enforce: {_first_line(str(e))}", param) from None
         return self._factory(grammar, param)
+
+
+_GUIDED_KINDS = ("json", "regex", "choice", "grammar")
+# Options of vLLM's structured_outputs that only tune its own backends.
+_GUIDED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                   "whitespace_pattern")
+
+
+def guided_spec(body) -> tuple[str, Any, str] | None:
+    """vLLM's structured-output request, ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` or ``structured_outputs`` {json, regex, choice,
+    json_object}, as (kind, value, the field to name in errors); None when
+    absent. More than one, or a kind mlxfast cannot enforce, is a 400."""
+    given = [(k, getattr(body, f"guided_{k}", None), f"guided_{k}") for k in _GUIDED_KINDS]
+    given = [g for g in given if g[1] is not None]
+    so = getattr(body, "structured_outputs", None)
+    for key, value in (so or {}).items():
+        param = f"structured_outputs.{key}"
+        if value is None or key in _GUIDED_OPTIONS:
+            continue
+        if key in _GUIDED_KINDS:
+            given.append((key, value, param))
+        elif key == "json_object":
+            if value is not True:
+                raise bad_request(f"{param} must be true", param)
+            given.append(("json", None, param))
+        else:
+            raise bad_request(f"{param} is not a structured output mlxfast supports "
+                              "(json, regex, choice, json_object)", param)
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request("give one structured output: " + ", ".join(g[2] for g in given), given[1][2])
+    kind, value, param = given[0]
+    if kind == "grammar":
+        raise bad_request(f"{param}: grammars are not supported (use a JSON schema, a regex or choices)", param)
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise bad_request(f"{param} is not valid JSON", param) from None
+    return kind, value, param
 
 
 def _hoisted_defs(params: dict, key: str) -> dict:

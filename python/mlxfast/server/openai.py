@@ -18,6 +18,7 @@ from .chat import ChatRequest
 from .common import new_id, off_loop, ready_body, state_of
 from .errors import APIError, bad_request
 from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallStart
+from .grammar import guided_spec
 from .prompts import template_kwargs_for, tool_message_content
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
 from .sse import DONE, data_event, sse_response
@@ -137,8 +138,11 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
         schema = rf.json_schema.schema_
+    guided = guided_spec(body)
+    if guided is not None and rf is not None and rf.type != "text":
+        raise bad_request(f"give response_format or {guided[2]}, not both", guided[2])
     return ChatRequest(
-        messages=normalize_messages(body.messages), sampling=body,
+        messages=normalize_messages(body.messages), sampling=body, guided=guided,
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         stop=body.stop, tools=tools, tool_choice=choice, forced_tool=forced,
         max_tool_calls=1 if body.parallel_tool_calls is False else None,
@@ -147,7 +151,8 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message),
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
-        cache_salt=body.cache_salt or "", id_prefix="chatcmpl-")
+        cache_salt=body.cache_salt or "", id_prefix="chatcmpl-",
+        tool_params_param="functions[{i}].parameters" if _legacy(body) else "tools[{i}].function.parameters")
 
 
 def _prepare_chat(state, body: ChatCompletionRequest):
@@ -196,8 +201,9 @@ async def chat_completions(request: Request):
     if body.stream:
         steps = await gen.run_many(state, requests, parsers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        running = _running_usage(body, [len(ereq.prompt_ids)] * len(requests))
         return sse_response(_chat_stream(state, ereq, steps, len(requests), model, include_usage,
-                                         body.top_logprobs or 0, legacy=_legacy(body)))
+                                         body.top_logprobs or 0, legacy=_legacy(body), running=running))
     steps = await gen.run_many(state, requests, parsers, http_request=request,
                                heartbeat_s=state.settings.disconnect_poll_s)
     choices = [_Choice() for _ in requests]
@@ -295,19 +301,45 @@ async def _sse_choices(steps, n: int, step_chunks, usage_event):
         await steps.aclose()
 
 
-async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False):
+class _RunningUsage:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk of a
+    choice carries the usage so far (its prompt, its tokens out)."""
+
+    def __init__(self, prompts: list[int]):
+        self.prompts, self.out = prompts, [0] * len(prompts)
+
+    def step(self, i: int, step) -> None:
+        if step.token is not None:
+            self.out[i] += 1
+
+    def of(self, i: int) -> dict:
+        p, c = self.prompts[i], self.out[i]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _running_usage(body, prompts: list[int]) -> _RunningUsage | None:
+    o = body.stream_options
+    return _RunningUsage(prompts) if o is not None and o.include_usage and o.continuous_usage_stats else None
+
+
+async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False, running=None):
     created = int(time.time())
     tok = state.tokenizer
     head = {"id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "system_fingerprint": state.system_fingerprint}
 
     def chunk(index, delta, finish_reason=None, logprobs=None):
-        return data_event({**head, "choices": [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]})
+        body = {**head, "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if running is not None:
+            body["usage"] = running.of(index)
+        return data_event(body)
 
     n_calls = [0] * n
 
     def step_chunks(i, step):
+        if running is not None:
+            running.step(i, step)
         lp = None
         if step.token is not None and step.token.logprob is not None:
             lp = {"content": [chat_logprobs(tok, step.token, top_n)]}
@@ -381,13 +413,20 @@ def _prepare_completion(state, body: CompletionRequest, prompt):
         if not body.echo:
             raise bad_request("max_tokens must be at least 1 (0 is allowed with echo: the prompt alone)",
                               "max_tokens")
-        gen.cap_max_tokens(state, len(ids), 0)  # a 400 when the prompt alone fills the context
+        gen.cap_max_tokens(state, len(ids), 0, "prompt")  # a 400 when the prompt alone fills the context
         max_tokens = 0
     else:
-        max_tokens = gen.cap_max_tokens(state, len(ids), body.max_tokens)
+        max_tokens = gen.cap_max_tokens(state, len(ids), body.max_tokens, "prompt")
     grammar = None
-    if body.response_format is not None and body.response_format.type != "text":
+    guided = guided_spec(body)
+    if guided is not None:
+        if body.response_format is not None and body.response_format.type != "text":
+            raise bad_request(f"give response_format or {guided[2]}, not both", guided[2])
+        grammar = state.grammar.guided(*guided)
+    elif body.response_format is not None and body.response_format.type != "text":
         rf = body.response_format
+        if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
         grammar = state.grammar.json_schema(rf.json_schema.schema_ if rf.json_schema else None)
     # best_of ranks its candidates by their summed logprobs, so it needs them.
     params = gen.sampling_params(state, body, max_tokens, stop=body.stop,
@@ -474,8 +513,9 @@ async def completions(request: Request):
     if body.stream:
         steps = await gen.run_groups(state, groups, [parsers(len(g)) for g in groups])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        running = _running_usage(body, [len(prepared[i // best_of][0]) for i in range(len(prepared) * best_of)])
         return sse_response(_completion_stream(state, rid, prepared, steps, best_of, model, body,
-                                               include_usage))
+                                               include_usage, running))
     steps = await gen.run_groups(state, groups, [parsers(len(g)) for g in groups], http_request=request,
                                  heartbeat_s=state.settings.disconnect_poll_s)
     outs = [_CompletionOut() for g in groups for _ in g]
@@ -538,7 +578,8 @@ class _CompletionOut:
         return choice
 
 
-async def _completion_stream(state, rid, prepared, steps, per_prompt, model, body, include_usage):
+async def _completion_stream(state, rid, prepared, steps, per_prompt, model, body, include_usage,
+                             running=None):
     created = int(time.time())
     tok = state.tokenizer
     n_lp = body.logprobs
@@ -547,13 +588,18 @@ async def _completion_stream(state, rid, prepared, steps, per_prompt, model, bod
             "system_fingerprint": state.system_fingerprint}
 
     def chunk(index, text, finish_reason=None, logprobs=None):
-        return data_event({**head, "choices": [
-            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]})
+        out = {**head, "choices": [
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if running is not None:
+            out["usage"] = running.of(index)
+        return data_event(out)
 
     echo = [prepared[i // per_prompt][1] if body.echo else "" for i in range(total)]
     offset = [len(e) for e in echo]
 
     def step_chunks(i, step):
+        if running is not None:
+            running.step(i, step)
         first = step.token or step.finish
         if first is None:
             return

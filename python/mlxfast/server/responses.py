@@ -257,7 +257,8 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatRequest:
         tool_choice=choice, forced_tool=forced, max_tool_calls=limit,
         json_output=fmt is not None and fmt.type != "text", output_schema=schema, output_param="text.format",
         template_kwargs=template_kwargs_for(effort, None, effort_param="reasoning.effort"),
-        logprobs=_wants_logprobs(body), top_logprobs=body.top_logprobs or 0, id_prefix="resp_")
+        logprobs=_wants_logprobs(body), top_logprobs=body.top_logprobs or 0, id_prefix="resp_",
+        tool_params_param="tools[{i}].parameters", prompt_param="input")
 
 
 def _wants_logprobs(body: ResponsesRequest) -> bool:
@@ -498,7 +499,11 @@ async def create_response(request: Request):
     if body.previous_response_id is not None:
         history = state.responses.history(body.previous_response_id)
         if history is None:
-            raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
+            found = state.responses.get(body.previous_response_id) is not None
+            raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found."
+                           if not found else
+                           f"An earlier response of the conversation that '{body.previous_response_id}' continues "
+                           "is no longer stored, so it cannot be continued.",
                            "invalid_request_error", param="previous_response_id",
                            code="previous_response_not_found")
     prepared, own = await off_loop(_prepare, state, body, history)

@@ -121,6 +121,14 @@ class SamplingFields(SamplingKnobs):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: Optional[bool] = False
+    min_tokens: Optional[int] = Field(default=None, ge=0, le=_INT32_MAX)  # vLLM's
+    include_stop_str_in_output: Optional[bool] = False  # vLLM's
+    # vLLM's structured output (grammar.guided_spec reads them)
+    guided_json: Union[str, dict, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict] = None
     user: Optional[str] = None
     cache_salt: Optional[str] = None
 
@@ -128,6 +136,14 @@ class SamplingFields(SamplingKnobs):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: allowed only when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self):
+        most = getattr(self, "max_completion_tokens", None)
+        most = most if most is not None else self.max_tokens
+        if self.min_tokens and most is not None and self.min_tokens > most:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({most})")
         return self
 
     @field_validator("stop")
@@ -235,6 +251,7 @@ class AnthropicRequest(_Model):
     stream: Optional[bool] = False
     thinking: Optional[AnthropicThinking] = None
     output_config: Optional[AnthropicOutputConfig] = None
+    output_format: Optional[AnthropicOutputFormat] = None  # the structured-outputs beta's name for it
 
 
 class AnthropicCountRequest(_Model):
@@ -244,6 +261,8 @@ class AnthropicCountRequest(_Model):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[AnthropicToolChoice] = None
     thinking: Optional[AnthropicThinking] = None
+    output_config: Optional[AnthropicOutputConfig] = None
+    output_format: Optional[AnthropicOutputFormat] = None
 
 
 # ---------------------------------------------------------------- OpenAI Responses
