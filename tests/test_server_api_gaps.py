@@ -272,6 +272,19 @@ def test_completions_best_of_returns_the_most_likely(openai_client):
     assert best.choices[0].text == cands.choices[scores.index(max(scores))].text
 
 
+def test_legacy_logprobs_carry_the_chosen_token(openai_client):
+    """OpenAI's (and vLLM's) legacy logprobs: each position's top_logprobs
+    has the n best and the chosen token, so logprobs=0 gives the chosen one
+    alone, never null."""
+    kw = dict(model="default", prompt="My favourite animal is the", max_tokens=4, temperature=1.0, seed=3)
+    for n in (0, 2):
+        lp = openai_client.completions.create(logprobs=n, **kw).choices[0].logprobs
+        for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[tok] == pytest.approx(value) and n <= len(top) <= n + 1
+        if n == 0:
+            assert all(len(top) == 1 for top in lp.top_logprobs)
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"suffix": "return x"}, "suffix"),
     ({"n": 2, "best_of": 1}, "best_of"),
@@ -349,8 +362,17 @@ def test_include_stop_str_in_output(server, openai_client):
      lambda t: set(json.loads(t)) == {"n"} and isinstance(json.loads(t)["n"], int)),
     ("structured_outputs", {"choice": ["red", "green"]}, lambda t: t in ("red", "green")),
     ("structured_outputs", {"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    ("guided_grammar", 'root ::= "yes" | "no"', lambda t: t in ("yes", "no")),
+    ("structured_outputs", {"grammar": 'root ::= [0-9]{3} "-" [a-z]{2}'},
+     lambda t: __import__("re").fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ("guided_grammar", 'start: "up" | "down"', lambda t: t in ("up", "down")),  # Lark, as vLLM's guidance takes
+    # llama.cpp's names
+    ("grammar", 'root ::= "a"{5,5}', lambda t: t == "aaaaa"),
+    ("json_schema", {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                     "additionalProperties": False}, lambda t: isinstance(json.loads(t)["ok"], bool)),
+    ("response_format", {"type": "json_object", "schema": {"const": "42"}}, lambda t: json.loads(t) == "42"),
 ])
-def test_vllm_structured_output_fields_are_enforced(server, field, value, check):
+def test_structured_output_fields_of_vllm_and_llama_cpp_are_enforced(server, field, value, check):
     r = chat(server, max_tokens=40, temperature=0, **{field: value})
     assert r.status_code == 200, r.text
     assert check(r.json()["choices"][0]["message"]["content"])
@@ -359,14 +381,16 @@ def test_vllm_structured_output_fields_are_enforced(server, field, value, check)
     assert c.status_code == 200
     choice = c.json()["choices"][0]
     if choice["finish_reason"] == "length":  # any JSON object may run past max_tokens: its start
-        assert field == "structured_outputs" and choice["text"].startswith("{"), choice
+        assert value == {"json_object": True} and choice["text"].startswith("{"), choice
     else:
         assert check(choice["text"]), choice
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs.grammar"),
-    ({"guided_grammar": "root ::= \"a\""}, "guided_grammar"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ({"grammar": "  "}, "grammar"),
+    ({"response_format": {"type": "json_object", "schema": 123}}, "response_format"),
     ({"guided_regex": "("}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
@@ -374,7 +398,7 @@ def test_vllm_structured_output_fields_are_enforced(server, field, value, check)
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
 ])
-def test_vllm_structured_output_that_cannot_be_enforced_is_a_400(server, body, param):
+def test_structured_output_that_cannot_be_enforced_is_a_400(server, body, param):
     r = chat(server, max_tokens=4, **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -454,3 +478,36 @@ def test_anthropic_output_format_beta_name_and_count_tokens_with_a_format(server
         r = post("/v1/messages/count_tokens", **extra)
         assert r.status_code == 200, r.text
         assert r.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
+
+
+def test_llama_cpp_n_predict_is_max_tokens(server):
+    def post(path, **body):
+        return httpx.post(server.url + path, headers=server.headers, timeout=120, json=body).json()
+
+    r = post("/v1/completions", prompt="I believe the meaning of life is", n_predict=3, ignore_eos=True)
+    assert r["usage"]["completion_tokens"] == 3
+    r = post("/v1/completions", prompt="Hi", n_predict=3, max_tokens=5, ignore_eos=True)  # max_tokens wins
+    assert r["usage"]["completion_tokens"] == 5
+    r = post("/v1/chat/completions", messages=ASK, n_predict=2, ignore_eos=True)
+    assert r["usage"]["completion_tokens"] == 2
+    bad = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                     json={"messages": ASK, "n_predict": 0})
+    assert bad.status_code == 400 and "n_predict" in bad.json()["error"]["message"]
+
+
+def test_chat_echo_starts_the_answer_with_the_assistants_last_message(server, openai_client):
+    """vLLM's chat ``echo`` with continue_final_message: the answer is the
+    message continued, whole; without an assistant message last, nothing is echoed."""
+    msgs = [{"role": "user", "content": "Complete the saying."}, {"role": "assistant", "content": "An apple a day"}]
+    kw = dict(model="m", messages=msgs, max_tokens=6, temperature=0)
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = openai_client.chat.completions.create(**kw, extra_body=extra).choices[0].message.content
+    echoed = openai_client.chat.completions.create(**kw, extra_body=dict(extra, echo=True))
+    assert echoed.choices[0].message.content == "An apple a day" + plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(
+        **kw, stream=True, extra_body=dict(extra, echo=True)) if c.choices)
+    assert streamed == "An apple a day" + plain
+    r = openai_client.chat.completions.create(model="m", messages=ASK, max_tokens=3, temperature=0,
+                                              extra_body={"echo": True})
+    alone = openai_client.chat.completions.create(model="m", messages=ASK, max_tokens=3, temperature=0)
+    assert r.choices[0].message.content == alone.choices[0].message.content

@@ -272,3 +272,32 @@ def test_context_overflow_and_cap(server, openai_client):
     assert e.value.body["code"] == "context_length_exceeded"
     r = openai_client.completions.create(model="m", prompt=[1] * (max_len - 2), max_tokens=1000, temperature=0)
     assert r.usage.completion_tokens <= 2 and r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_tokenize_renders_messages_as_chat_completions_does(server, openai_client):
+    """/tokenize with messages gives the prompt a chat completion uses:
+    continue_final_message and tools included (vLLM's test_tokenize_chat)."""
+    h = server.headers
+    msgs = [{"role": "user", "content": "Tell me a joke."}, {"role": "assistant", "content": "Sure,"}]
+    t = httpx.post(server.url + "/tokenize", headers=h, json={
+        "messages": msgs, "continue_final_message": True, "add_generation_prompt": False}).json()
+    text = httpx.post(server.url + "/detokenize", headers=h, json={"tokens": t["tokens"]}).json()["prompt"]
+    assert text.endswith("Sure,")
+    r = openai_client.chat.completions.create(model="m", messages=msgs, max_tokens=1, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.prompt_tokens == t["count"]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with_tools = httpx.post(server.url + "/tokenize", headers=h, json={"messages": Q, "tools": tools}).json()
+    r = openai_client.chat.completions.create(model="m", messages=Q, tools=tools, max_tokens=1)
+    assert r.usage.prompt_tokens == with_tools["count"]
+    assert with_tools["count"] > httpx.post(server.url + "/tokenize", headers=h, json={"messages": Q}).json()["count"]
+
+
+def test_tokenize_takes_llama_cpp_fields(server):
+    h = server.headers
+    got = httpx.post(server.url + "/tokenize", headers=h, json={"content": "Hello world", "with_pieces": True}).json()
+    assert "".join(t["piece"] for t in got["tokens"]) == "Hello world"
+    ids = [t["id"] for t in got["tokens"]]
+    assert ids == httpx.post(server.url + "/tokenize", headers=h, json={"content": "Hello world"}).json()["tokens"]
+    both = httpx.post(server.url + "/tokenize", headers=h, json={"content": "a", "prompt": "a"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "content"

@@ -55,10 +55,11 @@ def test_echo_max_tokens_zero_scores_every_prompt_token(openai_client, loaded, r
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     want = [ref[i - 1, ids[i]] for i in range(1, len(ids))]
     np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=ATOL)
-    for i in range(1, len(ids)):
-        (text, value), = lp.top_logprobs[i].items()
-        assert text == token_text(tok, int(ref[i - 1].argmax()))[0]
-        assert abs(value - ref[i - 1].max()) < ATOL
+    for i in range(1, len(ids)):  # the best token, and the prompt's own where it is another
+        best = token_text(tok, int(ref[i - 1].argmax()))[0]
+        assert abs(lp.top_logprobs[i][best] - ref[i - 1].max()) < ATOL
+        assert abs(lp.top_logprobs[i][lp.tokens[i]] - lp.token_logprobs[i]) < ATOL
+        assert len(lp.top_logprobs[i]) == (1 if lp.tokens[i] == best else 2)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
     # Same prompt as token ids, with generation: the prompt part is unchanged.
@@ -80,7 +81,8 @@ def test_echo_logprobs_stream_first_chunk_carries_the_prompt(openai_client, refe
     assert len(first.logprobs.token_logprobs) == len(ids) and first.logprobs.token_logprobs[0] is None
     want = [ref[i - 1, ids[i]] for i in range(1, len(ids))]
     np.testing.assert_allclose(first.logprobs.token_logprobs[1:], want, atol=ATOL)
-    assert all(len(t) == 2 for t in first.logprobs.top_logprobs[1:])
+    assert all(len(t) in (2, 3) for t in first.logprobs.top_logprobs[1:])  # the 2 best and the prompt's token
+    assert all(first.logprobs.tokens[i] in first.logprobs.top_logprobs[i] for i in range(1, len(ids)))
     generated = [c.choices[0].logprobs for c in chunks[1:] if c.choices[0].logprobs]
     assert generated and all(len(g.token_logprobs) == 1 for g in generated)
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")

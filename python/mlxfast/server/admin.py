@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import chat
+from . import generation as gen
 from . import metrics as prom
 from .common import off_loop, ready_body, state_of
 from .errors import bad_request
@@ -92,23 +93,38 @@ async def cache_flush(request: Request):
 async def tokenize(request: Request):
     state, body = await ready_body(request, TokenizeRequest)
     tok = state.tokenizer
-    if (body.prompt is None) == (body.messages is None):
+    if body.prompt is not None and body.content is not None:
+        raise bad_request("give 'prompt' or 'content' (llama.cpp's name for it), not both", "content")
+    text = body.prompt if body.prompt is not None else body.content
+    if (text is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'")
+    special = body.add_special_tokens if body.add_special_tokens is not None else body.add_special
+    if special is None:
+        special = body.content is None  # vLLM adds them by default, llama.cpp does not
 
     def encode():
-        if body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-        else:
-            from .openai import normalize_messages
+        if text is not None:
+            return tok.encode(text, add_special_tokens=special)
+        from .openai import normalize_messages
+        from .prompts import template_kwargs_for
 
-            prompt, _ = chat.render(state, chat.ChatRequest(
-                messages=normalize_messages(body.messages), sampling=None,
-                add_generation_prompt=body.add_generation_prompt is not False))
-            ids = prompt.ids
-        return ids, [tok.id_to_token(i) for i in ids]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        prompt, _ = chat.render(state, chat.ChatRequest(
+            messages=normalize_messages(body.messages), sampling=None, tools=tools,
+            template_kwargs=template_kwargs_for(None, body.chat_template_kwargs),
+            add_generation_prompt=body.add_generation_prompt is not False,
+            continue_final_message=bool(body.continue_final_message)))
+        return prompt.ids
 
-    ids, strs = await off_loop(encode)
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len, "token_strs": strs}
+    ids = await off_loop(encode)
+    strs = [tok.id_to_token(i) for i in ids]
+    tokens = ids
+    if body.with_pieces:
+        tokens = []
+        for i in ids:
+            piece, raw = gen.token_text(tok, i)
+            tokens.append({"id": i, "piece": piece if "\ufffd" not in piece else raw})
+    return {"tokens": tokens, "count": len(ids), "max_model_len": state.max_model_len, "token_strs": strs}
 
 
 @router.post("/detokenize")

@@ -93,7 +93,8 @@ class GrammarCompiler:
 
     def guided(self, kind: str, value: Any, param: str) -> Callable[[], Any]:
         """vLLM's structured output (``guided_spec``): a JSON schema, a
-        regular expression the whole output matches, or one of the choices."""
+        regular expression the whole output matches, one of the choices, or
+        a grammar (GBNF, as llama.cpp and vLLM's xgrammar take it, or Lark)."""
         import llguidance
 
         if kind == "json":
@@ -107,9 +108,12 @@ class GrammarCompiler:
                 raise bad_request(f"{param} is not a regular expression mlxfast can enforce: "
                                   f"{_first_line(str(e))}", param) from None
             return self._factory(grammar, param)
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise bad_request(f"{param} must be a list of non-empty strings", param)
-        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value) + "\n"
+        if kind == "grammar":
+            lark = _grammar_as_lark(value, param)
+        else:
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise bad_request(f"{param} must be a list of non-empty strings", param)
+            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value) + "\n"
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError) as e:
@@ -181,10 +185,13 @@ _GUIDED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additi
 
 def guided_spec(body) -> tuple[str, Any, str] | None:
     """vLLM's structured-output request, ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` or ``structured_outputs`` {json, regex, choice,
-    json_object}, as (kind, value, the field to name in errors); None when
-    absent. More than one, or a kind mlxfast cannot enforce, is a 400."""
+    ``guided_choice`` / ``guided_grammar`` or ``structured_outputs`` {json,
+    regex, choice, grammar, json_object}, or llama.cpp's ``json_schema`` / ``grammar``, as (kind,
+    value, the field to name in errors); None when
+    absent. More than one, or a kind mlxfast does not know, is a 400."""
     given = [(k, getattr(body, f"guided_{k}", None), f"guided_{k}") for k in _GUIDED_KINDS]
+    given += [("json", getattr(body, "json_schema", None), "json_schema"),  # llama.cpp's
+              ("grammar", getattr(body, "grammar", None), "grammar")]
     given = [g for g in given if g[1] is not None]
     so = getattr(body, "structured_outputs", None)
     for key, value in (so or {}).items():
@@ -199,20 +206,31 @@ def guided_spec(body) -> tuple[str, Any, str] | None:
             given.append(("json", None, param))
         else:
             raise bad_request(f"{param} is not a structured output mlxfast supports "
-                              "(json, regex, choice, json_object)", param)
+                              "(json, regex, choice, grammar, json_object)", param)
     if not given:
         return None
     if len(given) > 1:
         raise bad_request("give one structured output: " + ", ".join(g[2] for g in given), given[1][2])
     kind, value, param = given[0]
-    if kind == "grammar":
-        raise bad_request(f"{param}: grammars are not supported (use a JSON schema, a regex or choices)", param)
     if kind == "json" and isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
             raise bad_request(f"{param} is not valid JSON", param) from None
     return kind, value, param
+
+
+def _grammar_as_lark(text: Any, param: str) -> str:
+    """A grammar as llguidance's Lark: GBNF converted (llama.cpp's format,
+    and vLLM's xgrammar EBNF), else taken as Lark (vLLM's guidance backend)."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    if not isinstance(text, str) or not text.strip():
+        raise bad_request(f"{param} must be a non-empty grammar", param)
+    try:
+        return gbnf_to_lark(text)
+    except Exception:  # noqa: BLE001  (the converter raises plain Exceptions too): not GBNF; Lark decides
+        return text
 
 
 def _hoisted_defs(params: dict, key: str) -> dict:

@@ -119,6 +119,22 @@ def _tools_and_choice(body: ChatCompletionRequest):
     return tools, NamedToolChoice(function=fc)
 
 
+def _format_schema(rf) -> dict | None:
+    """The schema of a JSON ``response_format``: OpenAI's json_schema.schema,
+    or llama.cpp's ``{"type": "json_object", "schema": ...}``; None for any
+    JSON object (or no format)."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        return rf.json_schema.schema_
+    schema = (rf.model_extra or {}).get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise bad_request("response_format.schema must be a JSON schema object", "response_format")
+    return schema
+
+
 def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     """A chat completion body in the chat layer's neutral form."""
     if body.prompt_logprobs is not None:
@@ -133,11 +149,7 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     elif not isinstance(choice, str):
         choice, forced = "function", choice.function.name
     rf = body.response_format
-    schema = None
-    if rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
-        schema = rf.json_schema.schema_
+    schema = _format_schema(rf)
     guided = guided_spec(body)
     if guided is not None and rf is not None and rf.type != "text":
         raise bad_request(f"give response_format or {guided[2]}, not both", guided[2])
@@ -203,10 +215,11 @@ async def chat_completions(request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         running = _running_usage(body, [len(ereq.prompt_ids)] * len(requests))
         return sse_response(_chat_stream(state, ereq, steps, len(requests), model, include_usage,
-                                         body.top_logprobs or 0, legacy=_legacy(body), running=running))
+                                         body.top_logprobs or 0, legacy=_legacy(body), running=running,
+                                         echo=_echo_text(body)))
     steps = await gen.run_many(state, requests, parsers, http_request=request,
                                heartbeat_s=state.settings.disconnect_poll_s)
-    choices = [_Choice() for _ in requests]
+    choices = [_Choice(_echo_text(body)) for _ in requests]
     async for i, step in steps:
         choices[i].add(step, state.tokenizer, body)
     finishes = [c.finish for c in choices]
@@ -226,11 +239,22 @@ async def chat_completions(request: Request):
     }
 
 
+def _echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text when it is the
+    assistant's (the answer continues it), else nothing."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(p.text or "" for p in last.content if p.type == "text")
+
+
 class _Choice:
     """One choice of a non-streamed chat completion, accumulated."""
 
-    def __init__(self):
-        self.content, self.reasoning, self.calls, self.logprobs = [], [], [], []
+    def __init__(self, echo: str = ""):
+        self.content, self.reasoning, self.calls, self.logprobs = [echo] if echo else [], [], [], []
         self.finish = None
 
     def add(self, step, tok, body) -> None:
@@ -322,7 +346,8 @@ def _running_usage(body, prompts: list[int]) -> _RunningUsage | None:
     return _RunningUsage(prompts) if o is not None and o.include_usage and o.continuous_usage_stats else None
 
 
-async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False, running=None):
+async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False, running=None,
+                       echo=""):
     created = int(time.time())
     tok = state.tokenizer
     head = {"id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
@@ -373,7 +398,7 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
         return data_event({**head, "choices": [], "usage": _usage([finishes])})
 
     for i in range(n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunk(i, {"role": "assistant", "content": echo})
     async with aclosing(_sse_choices(steps, n, step_chunks, usage_event if include_usage else None)) as sse:
         async for c in sse:
             yield c
@@ -424,10 +449,7 @@ def _prepare_completion(state, body: CompletionRequest, prompt):
             raise bad_request(f"give response_format or {guided[2]}, not both", guided[2])
         grammar = state.grammar.guided(*guided)
     elif body.response_format is not None and body.response_format.type != "text":
-        rf = body.response_format
-        if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
-            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
-        grammar = state.grammar.json_schema(rf.json_schema.schema_ if rf.json_schema else None)
+        grammar = state.grammar.json_schema(_format_schema(body.response_format))
     # best_of ranks its candidates by their summed logprobs, so it needs them.
     params = gen.sampling_params(state, body, max_tokens, stop=body.stop,
                                  logprobs=body.logprobs is not None or (body.best_of or 1) > (body.n or 1),
@@ -442,15 +464,21 @@ def _prepare_completion(state, body: CompletionRequest, prompt):
 
 
 def _completion_logprobs(tok, entries, n: int, offset0: int) -> dict:
-    """OpenAI's legacy logprobs over ``(token id, logprob, top [(id, logprob)] | None)`` entries."""
+    """OpenAI's legacy logprobs over ``(token id, logprob, top [(id, logprob)] | None)`` entries:
+    per position the ``n`` best and the chosen token (so up to n + 1; with
+    ``logprobs: 0`` the chosen one alone), None where there is no logprob
+    (an echoed prompt's first token)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     off = offset0
     for token_id, logprob, top in entries:
         text, _ = gen.token_text(tok, token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(
-            {gen.token_text(tok, i)[0]: lp for i, lp in top[:n]} if n and top is not None else None)
+        best = None
+        if logprob is not None:
+            best = {gen.token_text(tok, i)[0]: lp for i, lp in (top or [])[:n]}
+            best.setdefault(text, logprob)
+        out["top_logprobs"].append(best)
         out["text_offset"].append(off)
         off += len(text)
     return out

@@ -129,6 +129,11 @@ class SamplingFields(SamplingKnobs):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[dict] = None
+    # llama.cpp's: a JSON schema or a GBNF grammar the output follows, and
+    # n_predict (max_tokens when that is not given; -1: the default)
+    json_schema: Optional[dict] = None
+    grammar: Optional[str] = None
+    n_predict: Optional[int] = Field(default=None, ge=-1, le=_INT32_MAX)
     user: Optional[str] = None
     cache_salt: Optional[str] = None
 
@@ -136,6 +141,16 @@ class SamplingFields(SamplingKnobs):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: allowed only when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _n_predict_is_max_tokens(self):
+        if self.n_predict is None or self.n_predict < 0 or self.max_tokens is not None \
+                or getattr(self, "max_completion_tokens", None) is not None:
+            return self
+        if self.n_predict == 0 and "messages" in type(self).model_fields:
+            raise ValueError("n_predict must be -1 or at least 1 on chat completions")
+        self.max_tokens = self.n_predict
         return self
 
     @model_validator(mode="after")
@@ -173,6 +188,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
+    echo: Optional[bool] = False  # vLLM's: the answer starts with the last message when it is the assistant's
 
 
 class CompletionRequest(SamplingFields):
@@ -187,11 +203,21 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Model):
+    """vLLM's /tokenize (a prompt, or messages rendered as chat completions
+    renders them), and llama.cpp's (``content``, ``add_special``, ``with_pieces``)."""
+
     model: Optional[str] = None
     prompt: Optional[str] = None
+    content: Optional[str] = None  # llama.cpp's name for prompt
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: Optional[bool] = True
+    add_special_tokens: Optional[bool] = None  # default: True for a prompt (the chat template has its own)
+    add_special: Optional[bool] = None  # llama.cpp's name for add_special_tokens
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    tools: Optional[list[ToolDef]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: Optional[bool] = None
+    with_pieces: Optional[bool] = False  # llama.cpp's: tokens as {id, piece}
 
 
 class DetokenizeRequest(_Model):
