@@ -257,15 +257,18 @@ def test_langchain_responses_previous_response_id(server, served):
     second = llm.invoke([HumanMessage("My name is Ada."), first, HumanMessage("What is my name?")])
     assert second.response_metadata["id"] != first.response_metadata["id"]
     assert second.usage_metadata["input_tokens"] > first.usage_metadata["input_tokens"]
-    # The history comes from the store: with the first turn deleted, the chain is broken.
+    # The history comes from the store: with the first turn deleted, the second (which can still be
+    # read) still continues, with the first turn in its history, as on OpenAI; the first cannot.
     import httpx
-    import openai
 
     r = httpx.delete(f"{server.url}/v1/responses/{first.response_metadata['id']}", headers=server.headers)
     assert r.status_code == 200
-    with pytest.raises(openai.NotFoundError):
-        llm.invoke([HumanMessage("My name is Ada."), first, HumanMessage("What is my name?"), second,
-                    HumanMessage("Again?")])
+    third = llm.invoke([HumanMessage("My name is Ada."), first, HumanMessage("What is my name?"), second,
+                        HumanMessage("Again?")])
+    assert third.usage_metadata["input_tokens"] > second.usage_metadata["input_tokens"]
+    r = httpx.post(f"{server.url}/v1/responses", headers=server.headers, timeout=60, json={
+        "model": served, "input": "Again?", "previous_response_id": first.response_metadata["id"]})
+    assert r.status_code == 404
 
 
 # ------------------------------------------------------------ LangChain ChatAnthropic
