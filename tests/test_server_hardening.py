@@ -147,3 +147,62 @@ def test_a_lone_surrogate_in_an_object_key_is_a_400(server, path):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert "metadata." in err["message"] and "surrogate" in err["message"]
+
+
+# ------------------------------------------------ browsers: DNS rebinding and other sites' pages
+
+
+@pytest.mark.parametrize("path, anthropic", [("/v1/models", False), ("/v1/messages", True), ("/", False)])
+def test_a_host_the_server_does_not_answer_to_is_refused(server, path, anthropic):
+    """Listening on loopback, the server answers only to loopback names: a
+    page of another site whose name was rebound to 127.0.0.1 names itself
+    in the Host header."""
+    port = server.url.rsplit(":", 1)[1]
+    for host in (f"rebind.evil.example:{port}", "evil.example", f"10.0.0.1:{port}"):
+        r = httpx.get(server.url + path, headers={**server.headers, "Host": host}, timeout=30)
+        assert r.status_code == 400, (host, r.text)
+        err = r.json()["error"]
+        assert "allowed-hosts" in err["message"] and (r.json().get("type") == "error") == anthropic
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "127.0.0.2", "app.localhost"):
+        r = httpx.get(server.url + "/v1/models", headers={**server.headers, "Host": host}, timeout=30)
+        assert r.status_code == 200, (host, r.text)
+
+
+def test_writes_from_another_sites_page_are_refused(server):
+    """A page elsewhere may send a "simple" cross-site POST (text/plain, no
+    preflight): refused by its Origin. Same-origin pages (the chat page) and
+    clients that send no Origin are served; reads are left to CORS."""
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    for origin in ("http://evil.example", "null", "http://127.0.0.1:1"):
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
+                       headers={**server.headers, "content-type": "text/plain", "Origin": origin})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", (origin, r.text)
+    r = httpx.post(server.url + "/v1/messages", content=body, timeout=30,
+                   headers={**server.headers, "Origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    same = server.url  # http://127.0.0.1:<port>, as the chat page's own requests carry
+    for headers in ({"Origin": same}, {}):
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
+                       headers={**server.headers, "content-type": "application/json", **headers})
+        assert r.status_code == 200, r.text
+    r = httpx.get(server.url + "/v1/models", headers={**server.headers, "Origin": "http://evil.example"}, timeout=30)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_allowed_origins_may_write(big_server):
+    url, _ = big_server
+    r = httpx.post(url + "/tokenize", json={"prompt": "hi"}, timeout=30,
+                   headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_which_hosts_a_server_answers_to():
+    from mlxfast.serve import _allowed_hosts
+    from mlxfast.server.app import host_allowed
+
+    assert _allowed_hosts("127.0.0.1", None) == () and _allowed_hosts("::1", None) == ()
+    assert _allowed_hosts("0.0.0.0", None) is None and _allowed_hosts("192.168.1.5", None) is None
+    assert _allowed_hosts("0.0.0.0", ("box.lan",)) == ("box.lan",)
+    assert host_allowed("evil.example", None) and host_allowed(None, ())
+    assert host_allowed("BOX.lan:8080", ("box.lan",)) and not host_allowed("box.lan.evil:80", ("box.lan",))
+    assert host_allowed("anything", ("*",)) and not host_allowed("127.0.0.1.evil.example", ())

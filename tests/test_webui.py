@@ -539,6 +539,9 @@ MARKDOWN_CASES = [
      '<div class="table-wrap"><table><thead><tr><th>a</th><th style="text-align: right;">b</th></tr></thead>'
      '<tbody><tr><td>1</td><td style="text-align: right;">2</td></tr></tbody></table></div>'),
     ("---", "<hr>"),
+    ("## Closing hashes ##", "<h2>Closing hashes</h2>"),
+    ("# C#", "<h1>C#</h1>"),
+    ("#nospace", "<p>#nospace</p>"),
     ("\\*not em\\*", "<p>*not em*</p>"),
     ("<b>x</b> &amp;", "<p>&lt;b&gt;x&lt;/b&gt; &amp;amp;</p>"),
     ("[x](javascript:alert(1)) [y](data:text/html,z)", "<p>[x](javascript:alert(1)) [y](data:text/html,z)</p>"),
@@ -564,3 +567,16 @@ def test_markdown_renderer(driver, hostile_api):
     html = d.execute_script("const div = document.createElement('div');"
                             "div.appendChild(MlxMarkdown.render('```py\\nx = 1')); return div.innerHTML;")
     assert '<pre><code data-lang="py">x = 1</code></pre>' in html
+    # Lines a backtracking regex would take minutes over (the script times
+    # out at TIMEOUT), and nesting that overflowed the stack: drawn, as text
+    # where they are not Markdown.
+    got = d.execute_script("""
+        return arguments[0].map(src => {
+          const div = document.createElement('div');
+          div.appendChild(MlxMarkdown.render(src));
+          return [div.firstChild.tagName, div.textContent.length];
+        });""", ["# a" + " " * 20000 + "x", "```" + "a" * 20000 + "`", "a | b\n" + " " * 20000 + "x",
+                 ">" * 5000 + " deep"])
+    assert got[0] == ["H1", len("a" + " " * 20000 + "x")]
+    assert got[1] == ["P", 20004] and got[2] == ["P", 20006]
+    assert got[3][0] == "BLOCKQUOTE" and got[3][1] > 0

@@ -27,6 +27,16 @@ from pathlib import Path
 EXIT_GRACE_S = 2.0  # past --shutdown-timeout, the watchdog ends the process
 
 
+def _allowed_hosts(bind: str, given: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Host names served: as given; else loopback names only on a loopback
+    address (None, any, on one reachable from elsewhere)."""
+    if given is not None:
+        return given
+    from .server.app import _is_loopback
+
+    return () if _is_loopback(bind.strip("[]").lower()) else None
+
+
 def _origins(text: str) -> tuple[str, ...]:
     text = text.strip()
     if text.startswith("["):
@@ -80,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
                    help="browser origins allowed to call the API (CORS), comma-separated or a JSON "
                         "list as vLLM takes it, e.g. 'http://localhost:3000' or '[\"*\"]'; default none")
+    p.add_argument("--allowed-hosts", type=_origins, default=None, metavar="HOSTS",
+                   help="Host header names the server answers to besides loopback ones, comma-separated "
+                        "('*': any); default: loopback names only when listening on a loopback address "
+                        "(a guard against DNS rebinding), any otherwise")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require --api-key on /metrics too (open by default, as vLLM's)")
     p.add_argument("--no-webui", dest="webui", action="store_false",
@@ -215,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         default_temperature=args.temp, default_top_p=args.top_p, default_top_k=args.top_k,
         max_body_bytes=int(args.max_body_mb * (1 << 20)), metrics_require_key=args.metrics_require_key,
         allowed_origins=args.allowed_origins, strict_model_name=args.strict_model_name,
+        allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
         model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         keep_billing_header=args.keep_billing_header, responses_store_size=args.responses_store_size,
         webui=args.webui,

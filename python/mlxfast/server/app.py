@@ -1,9 +1,12 @@
-"""The FastAPI app: routers, error handlers, API-key check, body-size cap."""
+"""The FastAPI app: routers, error handlers, API-key check, body-size cap,
+and the browser checks (Host header, cross-site writes)."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -27,6 +30,46 @@ def _credential(headers: dict[str, str]) -> str | None:
     return None
 
 
+def _host_name(host: str) -> str:
+    """The name in a Host header (no port, no IPv6 brackets), lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_loopback(name: str) -> bool:
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_allowed(host: str | None, allowed: tuple[str, ...] | None) -> bool:
+    """Whether a request's Host header names this server. ``allowed`` None:
+    any; otherwise loopback names and ``allowed`` (a page of another site
+    whose name resolves to 127.0.0.1, DNS rebinding, names itself)."""
+    if allowed is None or host is None or "*" in allowed:
+        return True
+    name = _host_name(host)
+    return _is_loopback(name) or name in {_host_name(a) for a in allowed}
+
+
+def cross_site(headers: dict[str, str], allowed_origins: tuple[str, ...]) -> str | None:
+    """The Origin of a browser request from another site (a page there may
+    send "simple" POSTs that need no CORS preflight), unless allowed; None
+    for same-origin requests and for clients that send no Origin (SDKs, curl)."""
+    origin = headers.get("origin")
+    if origin is None or "*" in allowed_origins or origin in allowed_origins:
+        return None
+    netloc = urlsplit(origin).netloc.lower() if origin != "null" else ""
+    if netloc and netloc == headers.get("host", "").strip().lower():
+        return None
+    return origin
+
+
 async def _drain(receive, limit: int) -> None:
     seen = 0
     while seen <= limit:
@@ -39,7 +82,9 @@ async def _drain(receive, limit: int) -> None:
 
 
 class _Guard:
-    """ASGI middleware: 401 without the API key, 413 over the body cap."""
+    """ASGI middleware: 400 for a Host this server does not answer to, 403
+    for a write from another site's page, 401 without the API key, 413 over
+    the body cap."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -59,6 +104,15 @@ class _Guard:
         s = self.state.settings
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
+        if not host_allowed(headers.get("host"), s.allowed_hosts):
+            return await self._reply(scope, send, APIError(
+                400, f"this server does not answer to host {headers['host'][:100]!r} "
+                     "(start it with --allowed-hosts to add names)", "invalid_request_error"))
+        origin = cross_site(headers, s.allowed_origins) if scope["method"] not in ("GET", "HEAD", "OPTIONS") else None
+        if origin is not None:
+            return await self._reply(scope, send, APIError(
+                403, f"a request from the page at {origin[:100]!r} was refused: another site's page may "
+                     "not use this server (allow it with --allowed-origins)", "permission_error"))
         if s.api_key and (path.startswith(_PROTECTED) or (s.metrics_require_key and path == "/metrics")):
             given = _credential(headers)
             if given is None or not hmac.compare_digest(given.encode(), s.api_key.encode()):

@@ -25,6 +25,8 @@ class ServerSettings:
     strict_model_name: bool = False  # unknown model names: 404 instead of the served model
     max_body_bytes: int = 32 << 20
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
+    # Host header values served (DNS rebinding): None any; () loopback names only
+    allowed_hosts: tuple[str, ...] | None = None
     keep_billing_header: bool = False  # False: Claude Code's billing line is cut from system prompts
     metrics_require_key: bool = False  # /metrics is open without the key unless set (as vLLM)
     responses_store_size: int = 1024  # Responses API: recent responses kept for previous_response_id

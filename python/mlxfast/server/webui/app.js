@@ -158,22 +158,26 @@
     ui.messages.appendChild(div);
     scrollDown();
 
-    let content = "", reasoning = "", timer = null;
+    // Drawn again at most every 30 ms, and no more than a fifth of the
+    // time: a long reply's Markdown takes longer to render.
+    let content = "", reasoning = "", timer = null, cost = 0;
     const draw = () => {
       timer = null;
+      const t0 = performance.now();
       if (reasoning) {
         details.hidden = false;
         thoughts.textContent = reasoning;
       }
       body.replaceChildren(window.MlxMarkdown.render(content));
       scrollDown();
+      cost = performance.now() - t0;
     };
     return {
       element: div,
       update(c, r) {
         content = c;
         reasoning = r;
-        if (timer === null) timer = setTimeout(draw, 30);
+        if (timer === null) timer = setTimeout(draw, Math.max(30, 4 * cost));
       },
       finish(note) {
         clearTimeout(timer);

@@ -170,12 +170,38 @@
     flush();
   }
 
-  const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
-  const HEADING = /^ {0,3}(#{1,6})(?:\s+(.*?))?\s*#*\s*$/;
+  // No two adjacent quantifiers here may match the same characters: a
+  // regex that can split a run of spaces many ways backtracks for seconds
+  // on a long line, and the reply is drawn again every few tens of ms.
+  const FENCE_OPEN = /^ {0,3}(`{3,}|~{3,})(.*)$/;
+  const HEADING = /^ {0,3}(#{1,6})(?:[ \t]+(.*))?$/;
   const HR = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
   const QUOTE = /^ {0,3}> ?(.*)$/;
   const ITEM = /^( *)([-*+]|\d{1,9}[.)])\s+(.*)$/;
-  const TABLE_SEP = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+  const TABLE_SEP = /^\|?[ \t]*:?-+:?[ \t]*(\|[ \t]*:?-+:?[ \t]*)*\|?$/; // on the trimmed line
+  const MAX_DEPTH = 16; // block quotes and lists nested deeper are drawn as text
+
+  // A fence's opening (and its language), or null: a backtick fence's info
+  // string has no backtick.
+  function fenceOpen(line) {
+    const m = FENCE_OPEN.exec(line);
+    if (!m || (m[1][0] === "`" && m[2].includes("`"))) return null;
+    return { fence: m[1], lang: m[2].trim().split(/\s/)[0] };
+  }
+
+  // A heading's text: CommonMark's closing run of #s (after a space) and
+  // the spaces around it are not part of it.
+  function headingText(text) {
+    let end = text.length;
+    while (end > 0 && (text[end - 1] === " " || text[end - 1] === "\t")) end -= 1;
+    let k = end;
+    while (k > 0 && text[k - 1] === "#") k -= 1;
+    if (k < end && (k === 0 || text[k - 1] === " " || text[k - 1] === "\t")) {
+      end = k;
+      while (end > 0 && (text[end - 1] === " " || text[end - 1] === "\t")) end -= 1;
+    }
+    return text.slice(0, end);
+  }
 
   function cells(line) {
     let s = line.trim();
@@ -220,11 +246,18 @@
   }
 
   function startsBlock(line) {
-    return FENCE.test(line) || HEADING.test(line) || HR.test(line) || QUOTE.test(line) || ITEM.test(line);
+    return fenceOpen(line) !== null || HEADING.test(line) || HR.test(line) || QUOTE.test(line) || ITEM.test(line);
   }
 
-  // Block Markdown of `lines`, appended to `parent`.
-  function blocks(lines, parent) {
+  // Block Markdown of `lines`, appended to `parent`, `depth` quotes and
+  // lists deep.
+  function blocks(lines, parent, depth = 0) {
+    if (depth > MAX_DEPTH) {
+      const p = el("p");
+      p.textContent = lines.join("\n");
+      parent.appendChild(p);
+      return;
+    }
     let i = 0;
     while (i < lines.length) {
       const line = lines[i];
@@ -233,8 +266,9 @@
         continue;
       }
       let m;
-      if ((m = FENCE.exec(line))) {
-        const fence = m[1];
+      const open = fenceOpen(line);
+      if (open) {
+        const fence = open.fence;
         const body = [];
         i += 1;
         while (i < lines.length) {
@@ -244,12 +278,12 @@
           i += 1;
         }
         i += 1; // the closing fence (or the end)
-        codeBlock(m[2], body.join("\n"), parent);
+        codeBlock(open.lang, body.join("\n"), parent);
         continue;
       }
       if ((m = HEADING.exec(line))) {
         const h = el("h" + m[1].length);
-        inline(m[2] || "", h);
+        inline(headingText(m[2] || ""), h);
         parent.appendChild(h);
         i += 1;
         continue;
@@ -266,7 +300,7 @@
           i += 1;
         }
         const q = el("blockquote");
-        blocks(body, q);
+        blocks(body, q, depth + 1);
         parent.appendChild(q);
         continue;
       }
@@ -299,13 +333,13 @@
           if (body.length === 1 || !body.slice(1).some((l) => startsBlock(l) || !l.trim())) {
             inline(body.join("\n"), li);
           } else {
-            blocks(body, li);
+            blocks(body, li, depth + 1);
           }
         }
         parent.appendChild(list);
         continue;
       }
-      if (line.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1]) && lines[i + 1].includes("-")) {
+      if (line.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1].trim()) && lines[i + 1].includes("-")) {
         const head = cells(line);
         const aligns = cells(lines[i + 1]).map((c) =>
           c.startsWith(":") && c.endsWith(":") ? "center" : c.endsWith(":") ? "right" : c.startsWith(":") ? "left" : "");
@@ -351,10 +385,17 @@
     }
   }
 
-  // The Markdown `src` as a DocumentFragment (never HTML text).
+  // The Markdown `src` as a DocumentFragment (never HTML text); should a
+  // construct defeat the renderer, the text as it is.
   function render(src) {
     const frag = document.createDocumentFragment();
-    blocks(String(src).replace(/\r\n?/g, "\n").split("\n"), frag);
+    try {
+      blocks(String(src).replace(/\r\n?/g, "\n").split("\n"), frag);
+    } catch (e) {
+      const p = el("p");
+      p.textContent = String(src);
+      frag.replaceChildren(p);
+    }
     return frag;
   }
 
