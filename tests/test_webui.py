@@ -211,6 +211,7 @@ def test_page_is_static_public_and_locked_down(web_server):
     assert directives["default-src"] == "'none'"
     assert directives["script-src"] == "'self'" and directives["connect-src"] == "'self'"
     assert "unsafe" not in csp and "http" not in csp and "*" not in csp
+    assert directives["frame-ancestors"] == "'none'" and r.headers["x-frame-options"] == "DENY"  # no clickjacking
     html = r.text
     # No inline script or handler, nothing from another origin: the page works offline.
     scripts = re.findall(r"<script\b([^>]*)>(.*?)</script>", html, re.S)

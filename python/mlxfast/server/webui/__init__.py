@@ -39,6 +39,7 @@ CSP = "; ".join([
 HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",  # frame-ancestors for browsers that predate it
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
