@@ -150,3 +150,26 @@ def test_sdk_errors(anthropic_client, server):
         create(bad)
     with pytest.raises(anthropic.BadRequestError):
         anthropic_client.messages.count_tokens(model="local", messages=[])
+
+
+def test_an_assistant_prefill_is_continued(server, anthropic_client):
+    """Anthropic's prefill: a last assistant message is the start of the
+    answer, which continues it (as chat completions' continue_final_message)."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    m = anthropic_client.messages.create(model="local", max_tokens=8, messages=msgs, extra_body={"temperature": 0})
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": msgs, "max_tokens": 8, "temperature": 0, "continue_final_message": True,
+        "add_generation_prompt": False}).json()
+    assert m.content[0].text == chat["choices"][0]["message"]["content"]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+    with anthropic_client.messages.stream(model="local", max_tokens=8, messages=msgs,
+                                          extra_body={"temperature": 0}) as s:
+        assert s.get_final_message().content[0].text == m.content[0].text
+    n = anthropic_client.messages.count_tokens(model="local", messages=msgs).input_tokens
+    assert n == chat["usage"]["prompt_tokens"]
+    ended = msgs + [{"role": "user", "content": "Thanks."},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}]
+    r = httpx.post(server.url + "/v1/messages", headers=server.headers, timeout=60,
+                   json={"model": "local", "max_tokens": 4, "messages": ended})
+    assert r.status_code == 400 and "tool_result" in r.json()["error"]["message"]

@@ -820,3 +820,14 @@ def test_input_items_of_every_kind_pass_the_sdk(client):
                                             "message", "message"]
     assert items.data[0].content[0].text == "Be brief."
     assert items.data[2].call_id == items.data[3].call_id == call.call_id
+
+
+def test_stored_responses_are_not_streamed_back_nor_cancelled(client, server):
+    r = client.responses.create(model="m", input=HI, max_output_tokens=2, temperature=0)
+    got = get(server, f"/v1/responses/{r.id}?stream=true")
+    assert got.status_code == 400 and got.json()["error"]["param"] == "stream"
+    assert get(server, f"/v1/responses/{r.id}?stream=false").status_code == 200
+    c = httpx.post(server.url + f"/v1/responses/{r.id}/cancel", headers=server.headers, timeout=60)
+    assert c.status_code == 400 and "background" in c.json()["error"]["message"]
+    c = httpx.post(server.url + "/v1/responses/resp_nope/cancel", headers=server.headers, timeout=60)
+    assert c.status_code == 404

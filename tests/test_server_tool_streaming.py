@@ -253,3 +253,26 @@ def test_a_template_error_that_is_not_about_system_messages_stays_a_400(fake_cli
     r = client.post("/v1/chat/completions", json={"model": "fake", "max_tokens": 4, "messages": [
         {"role": "system", "content": "a"}, {"role": "user", "content": "boom"}]})
     assert r.status_code == 400 and "no boom" in r.json()["error"]["message"]
+
+
+def test_anthropic_call_arguments_that_stop_being_json_stop_there_streamed_or_not(fake_client):
+    """The Anthropic SDK parses every input_json_delta prefix: a model that
+    writes Python's True mid-arguments must not break its stream. Pieces go
+    out while the text parses; the input is what they hold, streamed or not."""
+    import anthropic
+
+    bad = '<tool_call>\n{"name": "write_note", "arguments": {"title": "a", "stars": 5, "body": True}}\n</tool_call>'
+    client, _ = fake_client(bad, chat_template=HERMES_TEMPLATE)
+    _, calls = anthropic_stream(client, anthropic_body())
+    sent = "".join(calls[0]["pieces"])
+    assert sent.startswith('{"title": "a", "stars": 5, "body":') and "True" not in sent
+    blocks = client.post("/v1/messages", json=anthropic_body()).json()["content"]
+    (use,) = [b for b in blocks if b["type"] == "tool_use"]
+    assert use["input"] == {"title": "a", "stars": 5}
+    sdk = anthropic.Anthropic(base_url=str(client.base_url), api_key="none", http_client=client, max_retries=0)
+    with sdk.messages.stream(**anthropic_body()) as stream:
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [("write_note", use["input"])]
+    good, _ = fake_client(FAMILIES["hermes"][1], chat_template=HERMES_TEMPLATE)
+    _, calls = anthropic_stream(good, anthropic_body())
+    assert len(calls[0]["pieces"]) > 10 and json.loads("".join(calls[0]["pieces"])) == NOTE

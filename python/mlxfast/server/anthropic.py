@@ -7,6 +7,8 @@ import hashlib
 import json
 from typing import Any
 
+import pydantic_core
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -117,12 +119,26 @@ def _tools(body) -> list[dict] | None:
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
 
+def _prefill(body) -> bool:
+    """Whether the last message is the assistant's text, which the answer
+    continues (Anthropic's prefill); a last assistant tool use is a 400."""
+    last = body.messages[-1]
+    if last.role != "assistant":
+        return False
+    if isinstance(last.content, list) and any(isinstance(b, dict) and b.get("type") == "tool_use"
+                                              for b in last.content):
+        raise bad_request(f"messages[{len(body.messages) - 1}]: the conversation ends with the assistant's "
+                          "tool_use; send its tool_result in a user message", "messages")
+    return True
+
+
 def chat_request(body) -> ChatRequest:
     """A Messages body in the chat layer's neutral form."""
     choice = body.tool_choice
     ctype = choice.type if choice else "auto"
     if ctype == "tool" and not choice.name:
         raise bad_request("tool_choice of type 'tool' needs a 'name'")
+    prefill = _prefill(body)
     fmt = body.output_config.format if body.output_config is not None else None
     output_param = "output_config.format.schema"
     if body.output_format is not None:
@@ -138,6 +154,7 @@ def chat_request(body) -> ChatRequest:
         json_output=fmt is not None, output_schema=fmt.schema_ if fmt is not None else None,
         output_param=output_param,
         thinking=None if body.thinking is None else body.thinking.type != "disabled",
+        continue_final_message=prefill, add_generation_prompt=not prefill,
         id_prefix="msg_", tool_params_param="tools[{i}].input_schema")
 
 
@@ -168,14 +185,36 @@ def _usage(ev) -> dict:
     }
 
 
-def _tool_input(arguments: str) -> dict:
-    """A call's arguments as the input object (``{}`` when the model's JSON
-    does not parse: it was cut off, say)."""
-    try:
-        v = json.loads(arguments)
-    except json.JSONDecodeError:
-        v = {}
-    return v if isinstance(v, dict) else {}
+class _Args:
+    """A call's arguments as input_json_delta pieces, kept while the text
+    so far parses as (the start of) JSON: the SDK parses every prefix it is
+    sent and fails on the first character that is no JSON (a model writing
+    Python's True, say), so a call's pieces stop there, streamed or not."""
+
+    def __init__(self):
+        self.text, self.ok = "", True
+
+    def add(self, piece: str) -> bool:
+        """Whether ``piece`` is kept (and goes out)."""
+        if self.ok:
+            try:
+                pydantic_core.from_json(self.text + piece, allow_partial=True)
+                self.text += piece
+            except ValueError:
+                self.ok = False
+        return self.ok
+
+    def input(self) -> dict:
+        """The input object: the whole JSON, or what the kept start of it
+        holds (cut off, or cut where it stopped being JSON)."""
+        try:
+            v = json.loads(self.text)
+        except json.JSONDecodeError:
+            try:
+                v = pydantic_core.from_json(self.text, allow_partial=True)
+            except ValueError:
+                v = {}
+        return v if isinstance(v, dict) else {}
 
 
 @router.post("/v1/messages")
@@ -189,15 +228,15 @@ async def messages(request: Request):
         return sse_response(_stream(ereq, steps, model, len(ereq.prompt_ids)))
     steps = await gen.run(state, ereq, parser, http_request=request, heartbeat_s=state.settings.disconnect_poll_s)
     blocks: list[dict] = []
-    args: dict[int, list] = {}  # a call's index -> [its block, its arguments' text]
+    args: dict[int, tuple[dict, _Args]] = {}  # a call's index -> its block, its arguments
     finish = None
     async for step in steps:
         for p in step.pieces:
             if isinstance(p, ToolCallStart):
                 blocks.append({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": {}})
-                args[p.index] = [blocks[-1], ""]
+                args[p.index] = (blocks[-1], _Args())
             elif isinstance(p, ToolCallArgs):
-                args[p.index][1] += p.text
+                args[p.index][1].add(p.text)
             elif isinstance(p, (ContentDelta, ReasoningDelta)):
                 btype = "thinking" if isinstance(p, ReasoningDelta) else "text"
                 if blocks and blocks[-1]["type"] == btype:
@@ -210,8 +249,8 @@ async def messages(request: Request):
         return JSONResponse({}, status_code=499)
     if finish.finish_reason == "error":
         raise APIError(500, f"generation failed: {finish.error or 'engine error'}", "server_error")
-    for block, text in args.values():
-        block["input"] = _tool_input(text)
+    for block, a in args.values():
+        block["input"] = a.input()
     for b in blocks:
         if b["type"] == "thinking":
             b["signature"] = _signature(b["thinking"])
@@ -228,6 +267,7 @@ async def _stream(ereq, steps, model, n_prompt):
     open_type: str | None = None
     thinking_text: list[str] = []
     n_calls = 0
+    args: dict[int, _Args] = {}
 
     def start(block: dict) -> bytes:
         return named_event("content_block_start", {"type": "content_block_start", "index": index, "content_block": block})
@@ -266,7 +306,8 @@ async def _stream(ereq, steps, model, n_prompt):
                     open_type = "tool_use"
                     yield start({"type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": {}})
                 elif isinstance(p, ToolCallArgs):
-                    yield delta({"type": "input_json_delta", "partial_json": p.text})
+                    if args.setdefault(p.index, _Args()).add(p.text):
+                        yield delta({"type": "input_json_delta", "partial_json": p.text})
                 elif isinstance(p, ToolCallEnd):
                     for b in close():
                         yield b

@@ -567,7 +567,18 @@ async def get_response(response_id: str, request: Request):
     entry = state_of(request).responses.get(response_id)
     if entry is None:
         raise _not_found(response_id)
+    if request.query_params.get("stream", "false").lower() not in ("false", "0", ""):
+        # OpenAI replays a background response's events; mlxfast keeps the response, not its events.
+        raise bad_request("stream: a stored response is read whole here (its events are not kept)", "stream")
     return entry.response
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request):
+    if state_of(request).responses.get(response_id) is None:
+        raise _not_found(response_id)
+    raise bad_request("only a background response can be cancelled, and mlxfast runs none "
+                      "(a streamed response is cancelled by closing its connection)", "response_id")
 
 
 @router.delete("/v1/responses/{response_id}")
