@@ -173,3 +173,19 @@ def test_an_assistant_prefill_is_continued(server, anthropic_client):
     r = httpx.post(server.url + "/v1/messages", headers=server.headers, timeout=60,
                    json={"model": "local", "max_tokens": 4, "messages": ended})
     assert r.status_code == 400 and "tool_result" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, last, status", [
+    ({}, "", 200),  # nothing to continue: a new turn
+    ({}, [{"type": "thinking", "thinking": "hm", "signature": "x"}], 200),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "{", 400),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "The", 400),
+])
+def test_prefill_edge_cases(server, extra, last, status):
+    r = httpx.post(server.url + "/v1/messages", headers=server.headers, timeout=60, json={
+        "model": "local", "max_tokens": 3, "messages": [*Q, {"role": "assistant", "content": last}], **extra})
+    assert r.status_code == status, r.text
+    if status == 200:  # the prompt ends with a generation prompt, as chat renders an empty last reply
+        want = httpx.post(server.url + "/tokenize", headers=server.headers, timeout=60, json={
+            "messages": [*Q, {"role": "assistant", "content": ""}], "add_generation_prompt": True}).json()["count"]
+        assert r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"] == want

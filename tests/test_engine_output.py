@@ -72,3 +72,12 @@ def test_include_stop_str_in_output_ends_the_text_with_it():
     pieces = ["Hel", "lo ", "wo", "rld", "!"]
     assert run_with(pieces, ["o wor"], [0, 1, 2, 3, 4], include_stop=True) == ("Hello wor", "o wor")
     assert run_with(pieces, ["!", "wo"], [0, 1, 2, 3, 4], include_stop=True) == ("Hello wo", "wo")
+
+
+def test_a_stop_string_across_the_min_tokens_boundary_counts():
+    """vLLM's rule: after min_tokens, a stop string that began in the text
+    before the boundary and ends after it matches; one wholly before does not."""
+    pieces = ["a\n", "\nb", "c", "\n\nd"]
+    assert run_with(pieces, ["\n\n"], [0, 1, 2, 3], min_tokens=1) == ("a", "\n\n")
+    assert run_with(pieces, ["\n\n"], [0, 1, 2, 3], min_tokens=2) == ("a\n\nbc", "\n\n")
+    assert run_with(["xx", "y", "xx"], ["xx"], [0, 1, 2], min_tokens=1) == ("xxy", "xx")

@@ -511,3 +511,10 @@ def test_chat_echo_starts_the_answer_with_the_assistants_last_message(server, op
                                               extra_body={"echo": True})
     alone = openai_client.chat.completions.create(model="m", messages=ASK, max_tokens=3, temperature=0)
     assert r.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_thousands_of_choices_compile(server):
+    choices = [f"option {i}" for i in range(5000)]
+    r = chat(server, max_tokens=8, temperature=0, guided_choice=choices)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["choices"][0]["message"]["content"] in choices

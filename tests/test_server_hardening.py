@@ -175,13 +175,15 @@ def test_writes_from_another_sites_page_are_refused(server):
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
     for origin in ("http://evil.example", "null", "http://127.0.0.1:1"):
         r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
-                       headers={**server.headers, "content-type": "text/plain", "Origin": origin})
+                       headers={**server.headers, "content-type": "text/plain", "Origin": origin,
+                                "Sec-Fetch-Site": "cross-site"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", (origin, r.text)
     r = httpx.post(server.url + "/v1/messages", content=body, timeout=30,
                    headers={**server.headers, "Origin": "http://evil.example"})
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
     same = server.url  # http://127.0.0.1:<port>, as the chat page's own requests carry
-    for headers in ({"Origin": same}, {}):
+    proxied = {"Origin": "https://chat.example", "X-Forwarded-Host": "chat.example"}  # behind a proxy
+    for headers in ({"Origin": same}, {}, proxied, {"Origin": "https://chat.example", "Sec-Fetch-Site": "same-origin"}):
         r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
                        headers={**server.headers, "content-type": "application/json", **headers})
         assert r.status_code == 200, r.text

@@ -577,7 +577,8 @@ def test_markdown_renderer(driver, hostile_api):
           div.appendChild(MlxMarkdown.render(src));
           return [div.firstChild.tagName, div.textContent.length];
         });""", ["# a" + " " * 20000 + "x", "```" + "a" * 20000 + "`", "a | b\n" + " " * 20000 + "x",
-                 ">" * 5000 + " deep"])
+                 ">" * 5000 + " deep", "see http://a.example/" + ".," * 20000 + "x"])
     assert got[0] == ["H1", len("a" + " " * 20000 + "x")]
     assert got[1] == ["P", 20004] and got[2] == ["P", 20006]
     assert got[3][0] == "BLOCKQUOTE" and got[3][1] > 0
+    assert got[4] == ["P", len("see http://a.example/" + ".," * 20000 + "x")]

@@ -19,9 +19,10 @@ class _NullDetok:
 
 
 class OutputProcessor:
-    """``min_tokens``: text of the first that many tokens goes out unchecked
-    (vLLM's: stop strings match only after it); ``include_stop``: a matched
-    stop string is the end of the text instead of being cut."""
+    """``min_tokens``: a stop string matches only where it ends in the text
+    of a later token (vLLM's: none before it; one that began earlier counts);
+    ``include_stop``: a matched stop string is the end of the text instead of
+    being cut."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None, min_tokens: int = 0,
                  include_stop: bool = False):
@@ -31,27 +32,40 @@ class OutputProcessor:
         self.stop_string: str | None = None
         self.min_tokens, self.include_stop = min_tokens, include_stop
         self.n_tokens = 0
+        self._released = 0  # characters given out so far (where ``held`` starts)
+        self._boundary = 0 if min_tokens <= 0 else None  # matches end past this offset, once known
+
+    def _match(self, buf: str) -> tuple[int, str] | None:
+        """The earliest stop string in ``buf`` that ends past the boundary."""
+        best = None
+        after = self._boundary - self._released  # a match must end beyond this index of buf
+        for s in self.stop:
+            i = buf.find(s, max(0, after - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
 
     def _release(self, text: str, final: bool) -> str:
         """Append text; return what can be emitted. Sets ``stop_string`` on a match."""
-        if not self.stop or self.n_tokens <= self.min_tokens:  # nothing held back then
+        if not self.stop:
             return text
         buf = self.held + text
-        best = None
-        for s in self.stop:
-            i = buf.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+        if self._boundary is None and self.n_tokens > self.min_tokens:
+            self._boundary = self._released + len(self.held)  # this token's text starts here
+        best = self._match(buf) if self._boundary is not None else None
         if best is not None:
             self.held = ""
             self.stop_string = best[1]
             return buf[:best[0] + (len(best[1]) if self.include_stop else 0)]
         if final:
             self.held = ""
-            return buf
-        hold = held_suffix(buf, self.stop)
-        self.held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
+            out = buf
+        else:
+            hold = held_suffix(buf, self.stop)
+            self.held = buf[len(buf) - hold:] if hold else ""
+            out = buf[:len(buf) - hold]
+        self._released += len(out)
+        return out
 
     def add(self, token_id: int) -> str:
         """Text this token made final ("" while held back). Check ``stop_string`` after."""

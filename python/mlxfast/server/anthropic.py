@@ -125,10 +125,16 @@ def _prefill(body) -> bool:
     last = body.messages[-1]
     if last.role != "assistant":
         return False
-    if isinstance(last.content, list) and any(isinstance(b, dict) and b.get("type") == "tool_use"
-                                              for b in last.content):
+    blocks = last.content if isinstance(last.content, list) else [{"type": "text", "text": last.content}]
+    if any(isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks):
         raise bad_request(f"messages[{len(body.messages) - 1}]: the conversation ends with the assistant's "
                           "tool_use; send its tool_result in a user message", "messages")
+    text = "".join(b.get("text") or "" for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+    if not text:
+        return False  # nothing to continue: a new turn, as without the message
+    if body.thinking is not None and body.thinking.type != "disabled":
+        raise bad_request("an assistant prefill cannot be combined with thinking (as on Anthropic's API)",
+                          "thinking")
     return True
 
 
@@ -146,6 +152,8 @@ def chat_request(body) -> ChatRequest:
             raise bad_request("give output_config.format or output_format (its beta name), not both",
                               "output_format")
         fmt, output_param = body.output_format, "output_format.schema"
+    if prefill and fmt is not None:  # the grammar would start over after the prefilled text
+        raise bad_request("an assistant prefill cannot be combined with structured output", output_param)
     return ChatRequest(
         messages=to_messages(body), sampling=body, max_tokens=getattr(body, "max_tokens", None),
         stop=getattr(body, "stop_sequences", None), tools=_tools(body), tool_choice=_TOOL_CHOICES[ctype],
@@ -193,13 +201,50 @@ class _Args:
 
     def __init__(self):
         self.text, self.ok = "", True
+        self._in_string = self._escape = False
+
+    def _inside_string(self, piece: str) -> bool:
+        """Whether ``piece`` continues an open string and leaves it open,
+        with only characters a JSON string may hold (then it cannot make
+        the text invalid, and the whole text need not be parsed again: a
+        long file written as an argument would cost quadratic time)."""
+        if not self._in_string:
+            return False
+        escape = self._escape
+        for c in piece:
+            if escape:
+                if c not in '"\\/bfnrt':  # \u (and a bad escape) is left to the parser
+                    return False
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"' or c < " ":
+                return False
+        self._escape = escape
+        return True
+
+    def _rescan(self) -> None:
+        """Whether the text ends inside a string (after a full parse)."""
+        in_string = escape = False
+        for c in self.text:
+            if escape:
+                escape = False
+            elif in_string and c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = not in_string
+        self._in_string, self._escape = in_string, escape
 
     def add(self, piece: str) -> bool:
         """Whether ``piece`` is kept (and goes out)."""
         if self.ok:
+            if self._inside_string(piece):
+                self.text += piece
+                return True
             try:
                 pydantic_core.from_json(self.text + piece, allow_partial=True)
                 self.text += piece
+                self._rescan()
             except ValueError:
                 self.ok = False
         return self.ok

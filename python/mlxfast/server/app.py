@@ -64,8 +64,11 @@ def cross_site(headers: dict[str, str], allowed_origins: tuple[str, ...]) -> str
     origin = headers.get("origin")
     if origin is None or "*" in allowed_origins or origin in allowed_origins:
         return None
+    if headers.get("sec-fetch-site") in ("same-origin", "none"):  # the browser's word (pages cannot set it)
+        return None
     netloc = urlsplit(origin).netloc.lower() if origin != "null" else ""
-    if netloc and netloc == headers.get("host", "").strip().lower():
+    hosts = {headers.get("host", ""), headers.get("x-forwarded-host", "").split(",")[0]}  # behind a proxy
+    if netloc and netloc in {h.strip().lower() for h in hosts if h}:
         return None
     return origin
 

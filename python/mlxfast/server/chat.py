@@ -102,8 +102,8 @@ def render(state, chat: ChatRequest) -> tuple[ChatPrompt, bool]:
     require_template(state.tokenizer)  # before anything else: no chat request can work without one
     use_tools = _check_tools(chat)
     if chat.guided is not None and (chat.json_output or _forces_call(chat, use_tools)):
-        raise bad_request(f"{chat.guided[2]} cannot be combined with {chat.output_param} or a forced tool call",
-                          chat.guided[2])
+        other = chat.output_param if chat.json_output else "a forced tool call"
+        raise bad_request(f"{chat.guided[2]} cannot be combined with {other}", chat.guided[2])
     constrained = chat.json_output or _forces_call(chat, use_tools) or chat.guided is not None
     kwargs = dict(chat.template_kwargs)
     if chat.thinking is not None:

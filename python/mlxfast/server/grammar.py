@@ -113,7 +113,8 @@ class GrammarCompiler:
         else:
             if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
                 raise bad_request(f"{param} must be a list of non-empty strings", param)
-            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value) + "\n"
+            # one terminal (a lexer alternation): thousands of choices as rules hit llguidance's limits
+            lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value) + "\n"
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError) as e:

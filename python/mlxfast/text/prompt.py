@@ -186,9 +186,11 @@ def render_chat(
             raise TemplateError(str(e)) from None
     if continue_final_message and msgs and msgs[-1]["role"] == "assistant":
         last = msgs[-1].get("content") or ""
-        i = text.rfind(last) if last else -1
-        if i >= 0:
-            text = text[: i + len(last)]
+        for cand in (last, last.rstrip()):  # a template may trim the message
+            i = text.rfind(cand) if cand else -1
+            if i >= 0:
+                text = text[: i + len(cand)]
+                break
     thinking = reasoning_mod.template_supports_thinking(template)
     return ChatPrompt(
         text=text, ids=chat_ids(tokenizer, text), tool_family=family,

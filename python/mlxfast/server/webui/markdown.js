@@ -70,6 +70,10 @@
   }
 
   // Inline Markdown of `src`, appended to `parent` as DOM nodes.
+  // Sticky (matched at lastIndex): no copy of the rest of the text per match.
+  const LINK = /\[([^\]\n]*)\]\(([^()\s]*)\)/y;
+  const BARE_URL = /https?:\/\/[^\s<>"'`]+/iy;
+
   function inline(src, parent) {
     let buf = "";
     const flush = () => {
@@ -137,7 +141,8 @@
         continue;
       }
       if (c === "[") {
-        const m = /^\[([^\]\n]*)\]\(([^()\s]*)\)/.exec(src.slice(i));
+        LINK.lastIndex = i;
+        const m = LINK.exec(src);
         const href = m ? safeHref(m[2]) : null;
         if (m && href) {
           flush();
@@ -147,9 +152,12 @@
         }
       }
       if ((c === "h" || c === "H") && !isAlnum(src[i - 1])) {
-        const m = /^https?:\/\/[^\s<>"'`]+/i.exec(src.slice(i));
+        BARE_URL.lastIndex = i;
+        const m = BARE_URL.exec(src);
         if (m) {
-          const url = m[0].replace(/[.,;:!?)\]]+$/, "");
+          let end = m[0].length; // trailing punctuation ends the sentence, not the address
+          while (end > 0 && ".,;:!?)]".includes(m[0][end - 1])) end -= 1;
+          const url = m[0].slice(0, end);
           const href = safeHref(url);
           if (href) {
             flush();
