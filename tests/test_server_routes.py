@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import httpx
+
 import pytest
 
 from mlxfast.engine.api import EngineDead, EngineOverloaded
@@ -303,3 +305,22 @@ def test_anthropic_pings_while_waiting_and_openai_nonstream_survives_silence(fak
     assert text == "slow answer" and names[-1] == "message_stop"
     r = c.post("/v1/chat/completions", json={"messages": USER})
     assert r.json()["choices"][0]["message"]["content"] == "slow answer"
+
+
+def test_openai_routes_answer_without_v1_too(server):
+    """As llama.cpp's server: a client given the server's root as its base
+    URL asks for /chat/completions; the key is required there as well."""
+    import openai as openai_sdk
+
+    client = openai_sdk.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=60)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+    assert client.completions.create(model="m", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+    assert [m.id for m in client.models.list().data] == [m.id for m in openai_sdk.OpenAI(
+        base_url=server.url + "/v1", api_key=server.api_key).models.list().data]
+    assert client.responses.create(model="m", input="Hi", max_output_tokens=2).id.startswith("resp_")
+    for path in ("/chat/completions", "/completions", "/responses"):
+        r = httpx.post(server.url + path, json={}, timeout=30)  # no key
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+    assert httpx.get(server.url + "/models", timeout=30).status_code == 401
+    assert httpx.post(server.url + "/messages", headers=server.headers, json={}, timeout=30).status_code == 404

@@ -9,13 +9,15 @@ import json
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.middleware.cors import CORSMiddleware
 
 from . import admin, anthropic, openai, responses, webui
 from .errors import APIError, install_handlers, is_anthropic_path
 from .state import ServerState
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/stats", "/admin/")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/stats", "/admin/",
+              "/chat/", "/completions", "/models", "/responses")  # the last: _alias_without_v1's
 
 
 def _credential(headers: dict[str, str]) -> str | None:
@@ -144,6 +146,17 @@ class _Guard:
         return await self.app(scope, capped_receive, send)
 
 
+def _alias_without_v1(app: FastAPI) -> None:
+    """The OpenAI routes also without their /v1 prefix, as llama.cpp's
+    server has them: a client given the server's root as its base URL
+    (``http://127.0.0.1:8080``) asks for ``/chat/completions``."""
+    for router in (openai.router, responses.router):
+        for route in router.routes:
+            if isinstance(route, APIRoute) and route.path.startswith("/v1/"):
+                app.add_api_route(route.path[3:], route.endpoint, methods=list(route.methods),
+                                  include_in_schema=False)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="mlxfast", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mlxfast = state
@@ -152,6 +165,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(anthropic.router)
     app.include_router(responses.router)
     app.include_router(admin.router)
+    _alias_without_v1(app)
     if state.settings.webui:
         app.include_router(webui.router)  # the chat page at /
     app.add_middleware(_Guard, state=state)
