@@ -203,50 +203,36 @@ class _Args:
         self.text, self.ok = "", True
         self._in_string = self._escape = False
 
-    def _inside_string(self, piece: str) -> bool:
-        """Whether ``piece`` continues an open string and leaves it open,
-        with only characters a JSON string may hold (then it cannot make
-        the text invalid, and the whole text need not be parsed again: a
+    def _lex(self, piece: str) -> bool:
+        """Carry the string state over ``piece``; whether it stayed inside
+        one open string with only characters a JSON string may hold (then
+        it cannot make the text invalid and the text is not parsed again: a
         long file written as an argument would cost quadratic time)."""
-        if not self._in_string:
-            return False
-        escape = self._escape
+        clean = self._in_string
         for c in piece:
-            if escape:
-                if c not in '"\\/bfnrt':  # \u (and a bad escape) is left to the parser
-                    return False
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"' or c < " ":
-                return False
-        self._escape = escape
-        return True
-
-    def _rescan(self) -> None:
-        """Whether the text ends inside a string (after a full parse)."""
-        in_string = escape = False
-        for c in self.text:
-            if escape:
-                escape = False
-            elif in_string and c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = not in_string
-        self._in_string, self._escape = in_string, escape
+            if self._escape:
+                clean = clean and c in '"\\/bfnrt'  # \u (and a bad escape) is left to the parser
+                self._escape = False
+            elif self._in_string:
+                if c == "\\":
+                    self._escape = True
+                elif c == '"' or c < " ":
+                    clean = False
+                    self._in_string = c != '"'
+            else:
+                clean = False
+                self._in_string = c == '"'
+        return clean
 
     def add(self, piece: str) -> bool:
         """Whether ``piece`` is kept (and goes out)."""
-        if self.ok:
-            if self._inside_string(piece):
-                self.text += piece
-                return True
+        if self.ok and not self._lex(piece):
             try:
                 pydantic_core.from_json(self.text + piece, allow_partial=True)
-                self.text += piece
-                self._rescan()
             except ValueError:
                 self.ok = False
+        if self.ok:
+            self.text += piece
         return self.ok
 
     def input(self) -> dict:
