@@ -205,6 +205,7 @@ def test_which_hosts_a_server_answers_to():
     assert _allowed_hosts("127.0.0.1", None) == () and _allowed_hosts("::1", None) == ()
     assert _allowed_hosts("0.0.0.0", None) is None and _allowed_hosts("192.168.1.5", None) is None
     assert _allowed_hosts("0.0.0.0", ("box.lan",)) == ("box.lan",)
+    assert _allowed_hosts("0.0.0.0", ("Box.LAN:8080", "[::2]")) == ("box.lan", "::2")  # as Host headers are read
     assert host_allowed("evil.example", None) and host_allowed(None, ())
     assert host_allowed("BOX.lan:8080", ("box.lan",)) and not host_allowed("box.lan.evil:80", ("box.lan",))
     assert host_allowed("anything", ("*",)) and not host_allowed("127.0.0.1.evil.example", ())

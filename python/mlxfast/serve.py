@@ -28,13 +28,14 @@ EXIT_GRACE_S = 2.0  # past --shutdown-timeout, the watchdog ends the process
 
 
 def _allowed_hosts(bind: str, given: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """Host names served: as given; else loopback names only on a loopback
-    address (None, any, on one reachable from elsewhere)."""
-    if given is not None:
-        return given
-    from .server.app import _is_loopback
+    """Host names served: as given (as Host headers are read: no port, lower
+    case); else loopback names only on a loopback address (None, any, on one
+    reachable from elsewhere)."""
+    from .server.app import host_name, is_loopback
 
-    return () if _is_loopback(bind.strip("[]").lower()) else None
+    if given is not None:
+        return tuple(host_name(h) for h in given)
+    return () if is_loopback(host_name(bind)) else None
 
 
 def _origins(text: str) -> tuple[str, ...]:

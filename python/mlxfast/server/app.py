@@ -32,7 +32,7 @@ def _credential(headers: dict[str, str]) -> str | None:
     return None
 
 
-def _host_name(host: str) -> str:
+def host_name(host: str) -> str:
     """The name in a Host header (no port, no IPv6 brackets), lower case."""
     host = host.strip().lower()
     if host.startswith("["):
@@ -40,7 +40,7 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def _is_loopback(name: str) -> bool:
+def is_loopback(name: str) -> bool:
     if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
@@ -51,12 +51,13 @@ def _is_loopback(name: str) -> bool:
 
 def host_allowed(host: str | None, allowed: tuple[str, ...] | None) -> bool:
     """Whether a request's Host header names this server. ``allowed`` None:
-    any; otherwise loopback names and ``allowed`` (a page of another site
-    whose name resolves to 127.0.0.1, DNS rebinding, names itself)."""
+    any; otherwise loopback names and ``allowed`` (names as ``host_name``
+    gives them; a page of another site whose name resolves to 127.0.0.1,
+    DNS rebinding, names itself)."""
     if allowed is None or host is None or "*" in allowed:
         return True
-    name = _host_name(host)
-    return _is_loopback(name) or name in {_host_name(a) for a in allowed}
+    name = host_name(host)
+    return is_loopback(name) or name in allowed
 
 
 def cross_site(headers: dict[str, str], allowed_origins: tuple[str, ...]) -> str | None:
