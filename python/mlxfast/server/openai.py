@@ -135,6 +135,16 @@ def _format_schema(rf) -> dict | None:
     return schema
 
 
+def _guided(body) -> tuple | None:
+    """vLLM's / llama.cpp's structured-output fields (``grammar.guided_spec``);
+    given beside a JSON ``response_format``, a 400."""
+    guided = guided_spec(body)
+    rf = body.response_format
+    if guided is not None and rf is not None and rf.type != "text":
+        raise bad_request(f"give response_format or {guided[2]}, not both", guided[2])
+    return guided
+
+
 def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     """A chat completion body in the chat layer's neutral form."""
     if body.prompt_logprobs is not None:
@@ -150,11 +160,8 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         choice, forced = "function", choice.function.name
     rf = body.response_format
     schema = _format_schema(rf)
-    guided = guided_spec(body)
-    if guided is not None and rf is not None and rf.type != "text":
-        raise bad_request(f"give response_format or {guided[2]}, not both", guided[2])
     return ChatRequest(
-        messages=normalize_messages(body.messages), sampling=body, guided=guided,
+        messages=normalize_messages(body.messages), sampling=body, guided=_guided(body),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         stop=body.stop, tools=tools, tool_choice=choice, forced_tool=forced,
         max_tool_calls=1 if body.parallel_tool_calls is False else None,
@@ -443,10 +450,8 @@ def _prepare_completion(state, body: CompletionRequest, prompt):
     else:
         max_tokens = gen.cap_max_tokens(state, len(ids), body.max_tokens, "prompt")
     grammar = None
-    guided = guided_spec(body)
+    guided = _guided(body)
     if guided is not None:
-        if body.response_format is not None and body.response_format.type != "text":
-            raise bad_request(f"give response_format or {guided[2]}, not both", guided[2])
         grammar = state.grammar.guided(*guided)
     elif body.response_format is not None and body.response_format.type != "text":
         grammar = state.grammar.json_schema(_format_schema(body.response_format))
