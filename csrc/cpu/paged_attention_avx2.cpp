@@ -82,8 +82,19 @@ struct DensePool {
         _mm256_store_ps(kb + k * D + v * 8, k < nv ? load8<KV>(rows + k * row + v * 8 * es) : _mm256_setzero_ps());
   }
   __m256 score8(const DecodeRows& t, int r) const { return float_score8<D>(t, r); }
+  // P.V reads a head's 32-byte column chunk of every value row of the span,
+  // one pass per chunk and head (12 strided passes at D = 64 and 3 heads),
+  // so its first pass met every line cold, a miss at a time. Reading the
+  // span's value lines once in slot order first, before the first head's
+  // pass, lets the loads overlap and brings them to the cache in the order
+  // the prefetchers follow. Default model, one decode step at 700 / 2,000 /
+  // 8,000 tokens of f16 KV in scattered blocks (2-core Zen 3, alternating
+  // in one process): 1.05x / 1.10x / 1.14x, the same bits.
   void pv(int hh, const SpanSeg* segs, int nseg, const float* P, int64_t sp, int Rh,
           const float* alpha, float* acc) const {
+    if (hh == 0) {
+      for (int sg = 0; sg < nseg; ++sg) touch_rows(vbase, segs[sg].slot0 * row, segs[sg].nk, row, item_bytes);
+    }
     pv_rows<D>(DenseValues<KV>{vbase + hh * D * es, row}, segs, nseg, P, 1, sp, Rh, alpha, acc);
   }
 };
