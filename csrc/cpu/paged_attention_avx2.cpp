@@ -88,8 +88,9 @@ struct DensePool {
   // span's value lines once in slot order first, before the first head's
   // pass, lets the loads overlap and brings them to the cache in the order
   // the prefetchers follow. Default model, one decode step at 700 / 2,000 /
-  // 8,000 tokens of f16 KV in scattered blocks (2-core Zen 3, alternating
-  // in one process): 1.05x / 1.10x / 1.14x, the same bits.
+  // 8,000 tokens of f16 KV in scattered blocks (2-core Zen 3, with and
+  // without it alternating in one process): 1.06x / 1.08x / 1.25x, the same
+  // bits (docs/architecture.md, session 33).
   void pv(int hh, const SpanSeg* segs, int nseg, const float* P, int64_t sp, int Rh,
           const float* alpha, float* acc) const {
     if (hh == 0) {
