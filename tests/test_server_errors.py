@@ -140,6 +140,35 @@ def test_anthropic_sse_framing(server):
     assert names[0] == "message_start" and names[-1] == "message_stop" and names[-2] == "message_delta"
 
 
+def _aborted_total(server) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("mlxfast:request_success_total") and 'finished_reason="abort"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_nonstreaming_client_disconnect_aborts(server):
+    """A non-streamed request whose client gave up is aborted while its
+    tokens still flow (it was looked for only in silences, so it ran to its
+    max_tokens: ~40 s here, holding a batch slot)."""
+    import time
+
+    for path, extra in ((CHAT, {"messages": MSGS}), ("/v1/completions", {"prompt": "Count:"})):
+        before = _aborted_total(server)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + path, headers=server.headers, timeout=1.5,
+                       json={**extra, "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
+        deadline = time.time() + 15
+        while _aborted_total(server) <= before and time.time() < deadline:
+            time.sleep(0.2)
+        assert _aborted_total(server) > before, path
+        stats = httpx.get(server.url + "/stats", headers=server.headers).json()
+        while stats["engine"].get("num_requests_running", 0) and time.time() < deadline:
+            time.sleep(0.2)
+            stats = httpx.get(server.url + "/stats", headers=server.headers).json()
+        assert stats["engine"]["num_requests_running"] == 0, path
+
+
 def test_client_disconnect_aborts(server):
     before = httpx.get(server.url + "/metrics").text
     with httpx.stream("POST", server.url + CHAT, headers=server.headers, timeout=60,

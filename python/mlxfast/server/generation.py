@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -156,12 +157,18 @@ async def run(
 
 async def _steps(state, request, stream, parser, http_request, heartbeat_s):
     finished = False
+    # A disconnected client is looked for every heartbeat_s whether tokens
+    # flow or not: polled only on heartbeats (silences), a request whose
+    # client had gone kept generating to its max_tokens while tokens came.
+    poll_at = time.monotonic() + heartbeat_s if http_request is not None and heartbeat_s else None
     try:
         source = with_heartbeat(stream, heartbeat_s) if heartbeat_s else stream
         async for ev in source:
-            if ev is HEARTBEAT:
-                if http_request is not None and await http_request.is_disconnected():
+            if poll_at is not None and (ev is HEARTBEAT or time.monotonic() >= poll_at):
+                if await http_request.is_disconnected():
                     return
+                poll_at = time.monotonic() + heartbeat_s
+            if ev is HEARTBEAT:
                 yield Step(heartbeat=True)
                 continue
             if isinstance(ev, TokenEvent):
