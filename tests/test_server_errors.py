@@ -150,14 +150,16 @@ def _aborted_total(server) -> float:
 def test_nonstreaming_client_disconnect_aborts(server):
     """A non-streamed request whose client gave up is aborted while its
     tokens still flow (it was looked for only in silences, so it ran to its
-    max_tokens: ~40 s here, holding a batch slot)."""
+    max_tokens). Eight choices of ~240 tokens each (this server's context is
+    256) take seconds on any CPU; the client leaves after 0.5 s and the
+    server looks for it every second."""
     import time
 
     for path, extra in ((CHAT, {"messages": MSGS}), ("/v1/completions", {"prompt": "Count:"})):
         before = _aborted_total(server)
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(server.url + path, headers=server.headers, timeout=1.5,
-                       json={**extra, "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
+            httpx.post(server.url + path, headers=server.headers, timeout=0.5,
+                       json={**extra, "n": 8, "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
         deadline = time.time() + 15
         while _aborted_total(server) <= before and time.time() < deadline:
             time.sleep(0.2)
