@@ -3,7 +3,7 @@ long prompt cold vs prefix-cached, from one run on one engine.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--tokens 128]
         [--prompt-tokens 2000] [--concurrency 1,4,8,16] [--rounds 3] [--block-sizes]
-        [--compare-async]
+        [--compare-async] [--matmul-activations int8]
 
 Targets: 8 streams >= 4x the single-stream aggregate; a cached-prefix first
 token >= 20x sooner than cold. ``--block-sizes`` adds a micro-benchmark of the
@@ -129,9 +129,11 @@ def main():
     ap.add_argument("--compare-async", action="store_true",
                     help="decode with async scheduling on vs off (alternating engines), then exit")
     ap.add_argument("--kv-dtype", default=None, help="float32 | float16 | bfloat16 (default: auto, kv.block_pool.default_kv_dtype)")
+    ap.add_argument("--matmul-activations", choices=["fp32", "int8"], default="fp32",
+                    help="int8: the opt-in int8-activation matmuls (mlxfast.load)")
     args = ap.parse_args()
 
-    model, tok = mlxfast.load(args.model)
+    model, tok = mlxfast.load(args.model, matmul_activations=args.matmul_activations)
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.compare_async:
         return compare_async(model, tok, levels, args)
@@ -142,7 +144,8 @@ def main():
     try:
         print(f"model {model.args.model_type} layers={model.args.num_hidden_layers} "
               f"hidden={model.args.hidden_size}; block_size={engine.block_size}, "
-              f"blocks={engine.num_blocks}, cpu path {mlxfast.ops.cpu_path()}")
+              f"blocks={engine.num_blocks}, cpu path {mlxfast.ops.cpu_path()}, "
+              f"matmul activations {args.matmul_activations}")
         # Rounds over all levels, so that a slow minute of this shared machine
         # lands on every level; "x single" is the median over rounds of each
         # round's ratio to that round's single-stream figure.
