@@ -175,12 +175,14 @@ def main():
     # One engine per scheme, all alive: rounds alternate schemes (the machine's
     # noise moves a lone run by 10-25%); after the first round every prompt is
     # a prefix-cache hit, so a round costs only its decode.
-    engines = {q: Engine(model, tok, EngineConfig(
-        kv_quant=q, max_num_seqs=max(4, args.streams), kv_cache_gb=max(1.5, 1.2 * need_gb),
-        max_model_len=max(contexts) + streams_decode + 8)).start() for q in schemes}
+    engines = {}
     rates = {q: [] for q in schemes}  # per round: [tok/s per context]
     multis = {q: [] for q in schemes}
     try:
+        for q in schemes:
+            engines[q] = Engine(model, tok, EngineConfig(
+                kv_quant=q, max_num_seqs=max(4, args.streams), kv_cache_gb=max(1.5, 1.2 * need_gb),
+                max_model_len=max(contexts) + streams_decode + 8)).start()
         for rnd in range(args.rounds):
             for q, eng in engines.items():
                 # prompts are prefixes of one another: each longer one reuses the
