@@ -92,7 +92,7 @@ NB_MODULE(_ext, m) {
   m.def("int8_activations_unsupported", &mlxfast::int8_acts_unsupported,
         "'' where this CPU runs the int8-activation matmul natively, else what it lacks.");
   m.def("int8_activations_layout", &mlxfast::int8_acts_layout,
-        "The layout ('mlx' or 'rows16') the int8-activation kernel in use reads; '' where none.");
+        "The layout ('rows16') the int8-activation kernels in use read; '' where none.");
   m.def("dequantize_rows", &mlxfast::dequantize_rows, "w"_a, "scales"_a, "biases"_a.none(), "ids"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "dtype"_a = nb::none(), "stream"_a = nb::none());
   m.def("paged_attention", &mlxfast::paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,

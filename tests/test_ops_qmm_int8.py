@@ -169,16 +169,37 @@ for gs, sd in ((32, mx.float16), (64, mx.bfloat16), (128, mx.float32)):
             y = ops.quantized_matmul(x, wq, s.astype(sd), bb, group_size=gs, bits=4,
                                      activations="int8")
             out.append(np.array(y).ravel())
+    wq, s, b = mx.quantize(mx.random.normal((48, K)) * 0.05, group_size=gs, bits=4)
+    pw = ops.pack_rows16(wq, s.astype(sd), b.astype(sd))
+    for M in (1, 7, 9, 20):
+        y = ops.quantized_matmul(mx.random.normal((M, K)), *pw, group_size=gs, bits=4,
+                                 activations="int8")
+        out.append(np.array(y).ravel())
 np.save(sys.argv[1], np.concatenate(out))
 """
 
 
-@pytest.mark.skipif(ops.int8_activations_layout() != "mlx",
-                    reason="no VNNI int8 kernel on this CPU")
+def cpu_flags() -> set:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= cpu_flags()
+needs_vnni = pytest.mark.skipif(not (VNNI and ops.cpu_path() == "avx512"),
+                                reason="no AVX-512 VNNI int8 kernel on this CPU")
+
+
+@needs_vnni
 def test_gfni_and_shift_and_mask_agree_bit_for_bit(tmp_path):
-    # The 4-bit GEMV takes each byte's high nibble with one GFNI instruction
+    # The VNNI kernels take each byte's high nibble with one GFNI instruction
     # where the CPU has it, with a shift and a mask otherwise (MLXFAST_GFNI=0,
-    # as on CPUs without GFNI): the same integers, so the same bits.
+    # as on CPUs without GFNI): the same integers, so the same bits. MLX's
+    # layout (37 rows: not packable) and the row-interleaved one (48 rows;
+    # 9 and 20 rows unpack each block to bytes first).
     import os
     import subprocess
     import sys
@@ -189,7 +210,8 @@ def test_gfni_and_shift_and_mask_agree_bit_for_bit(tmp_path):
         f = tmp_path / f"gfni{flag}.npy"
         subprocess.run([sys.executable, "-c", _GFNI_RUN, str(f)], env=env, check=True)
         got[flag] = np.load(f)
-    assert got["0"].size == 3 * (1 + 3 + 7) * 2 * 37  # group sizes x rows x biases x outputs
+    # group sizes x (rows x biases x outputs + rows16's rows x outputs)
+    assert got["0"].size == 3 * ((1 + 3 + 7) * 2 * 37 + (1 + 7 + 9 + 20) * 48)
     assert np.isfinite(got["0"]).all() and np.array_equal(got["0"], got["1"])
 
 
@@ -206,29 +228,21 @@ def test_validation():
 
 
 def test_support_query_names_what_the_cpu_lacks():
-    flags = set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = cpu_flags()
     msg = ops.int8_activations_unsupported()
-    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
     avx2 = {"avx2", "fma", "f16c"} <= flags
     if ops.cpu_path() in ("avx2", "avx512"):
         assert msg == ""
-        # VNNI reads MLX's layout; AVX2 (and AVX-512 without VNNI) the rows16 one.
-        want = "mlx" if ops.cpu_path() == "avx512" and vnni else "rows16"
-        assert ops.int8_activations_layout() == want
+        # The VNNI and the AVX2 kernels both read the rows16 layout.
+        assert ops.int8_activations_layout() == "rows16"
     elif flags:
         assert ops.int8_activations_layout() == ""
         assert ("portable" in msg) if avx2 else ("avx2" in msg and "lacks" in msg)
 
 
 # The row-interleaved layout (ops.pack_rows16): what the loader packs int8
-# layers into on the AVX2 path (ops.int8_activations_layout() == "rows16").
-# The AVX2 kernel (maddubs) and the portable one read it.
+# layers into (ops.int8_activations_layout() == "rows16"). The VNNI kernel,
+# the AVX2 one (maddubs) and the portable one read it.
 def packed16(N, K, group_size, bits, with_biases, sdtype=mx.float16, seed=0):
     wq, s, b = make_weights(N, K, group_size, bits, sdtype, seed)
     b = b if with_biases else None
@@ -247,6 +261,33 @@ def test_rows16_kernel_matches_int8_reference(path, M, bits, group_size, with_bi
                                        int8=True, path=path)
     err = rel_err(got, x, wq, s, b, group_size, bits)
     assert np.isfinite(err) and err <= TOL, err
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("with_biases", [True, False], ids=["biases", "symmetric"])
+@pytest.mark.parametrize("sdtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_rows16_vnni_and_avx2_kernels_agree_bit_for_bit(bits, group_size, with_biases, sdtype):
+    # The same integer block sums and the same fp32 chain per output: the
+    # VNNI kernel (8 rows a pass; a block unpacked to bytes for more than 8)
+    # gives the AVX2 kernel's bits at every number of rows.
+    K = 384 if group_size == 128 else 576
+    _, pw = packed16(64, K, group_size, bits, with_biases, sdtype=sdtype, seed=bits + group_size)
+    for M in (1, 2, 7, 8, 9, 16, 23, 130):
+        for xdtype in (mx.float32, mx.float16):
+            x = (mx.random.normal((M, K)) * mx.random.uniform(0.1, 4.0, (M, 1))).astype(xdtype)
+            got = {}
+            for p in ("avx512", "avx2"):
+                ops.set_cpu_path(p)
+                try:
+                    got[p] = ops.quantized_matmul(x, *pw, group_size=group_size, bits=bits,
+                                                  activations="int8")
+                    mx.eval(got[p])
+                finally:
+                    ops.set_cpu_path("")
+            assert got["avx512"].dtype == xdtype
+            assert mx.array_equal(got["avx512"], got["avx2"]).item(), (M, xdtype)
 
 
 @pytest.mark.parametrize("sdtype", [mx.float32, mx.bfloat16])

@@ -114,8 +114,8 @@ bool cpu_has_gfni() {
 
 std::string int8_acts_unsupported() {
 #if defined(MLXFAST_X86)
-  // AVX-512 with VNNI: its kernel over MLX's layout; AVX2, or AVX-512
-  // without VNNI: the AVX2 kernel over the row-interleaved layout.
+  // Over the row-interleaved layout: the VNNI kernel on AVX-512 with VNNI,
+  // the AVX2 one on AVX2 (and AVX-512 without VNNI).
   const CpuPath p = cpu_path();
   if (p == CpuPath::Avx512 || p == CpuPath::Avx2) return "";
   if (cpu_supports(CpuPath::Avx2)) {
@@ -140,8 +140,7 @@ std::string int8_acts_unsupported() {
 }
 
 std::string int8_acts_layout() {
-  if (!int8_acts_unsupported().empty()) return "";
-  return int8_vnni_on(cpu_path()) ? "mlx" : "rows16";
+  return int8_acts_unsupported().empty() ? "rows16" : "";
 }
 
 const char* cpu_path_name(CpuPath path) {

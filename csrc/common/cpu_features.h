@@ -30,9 +30,9 @@ bool cpu_has_gfni();
 // avx512 path is in use); otherwise a sentence naming what it lacks (the
 // start-up error of --matmul-activations int8).
 std::string int8_acts_unsupported();
-// The weight layout the int8-activation kernel of the CPU path in use
-// reads fastest: "mlx" (AVX-512 VNNI) or "rows16" (AVX2, and AVX-512
-// without VNNI); "" where int8_acts_unsupported() says why none runs.
+// The weight layout the int8-activation kernels of the CPU path in use
+// read fastest: "rows16" (AVX-512 VNNI, AVX2); "" where
+// int8_acts_unsupported() says why none runs.
 std::string int8_acts_layout();
 // Force a path from code (tests); "" restores automatic selection.
 void set_cpu_path(const std::string& name);

@@ -163,8 +163,12 @@ void run_int8_portable(const Args& a);
 #if defined(MLXFAST_X86)
 void run_int8_avx512vnni(const Args& a);
 // a.rows16 too (bits 4 or 8), every M: qmm_int8_rows16_avx2.cpp (AVX2:
-// also what a CPU without VNNI runs on the AVX-512 path).
+// also what a CPU without VNNI runs on the AVX-512 path) and
+// qmm_int8_rows16_avx512vnni.cpp (AVX-512 VNNI); the same bits.
 void run_int8_rows16_avx2(const Args& a);
+void run_int8_rows16_avx512vnni(const Args& a);
+// Rows [m0, m1) of a.x quantized into xp as both rows16 kernels read them.
+void prepare_int8_rows16_avx2(const Args& a, float* xp, int64_t m0, int64_t m1);
 #endif
 #if defined(MLXFAST_ARM64)
 void run_neon(const Args& a);
@@ -197,7 +201,12 @@ inline size_t gemv_prep_floats(const Args& a) {
   }
   if (!a.int8_acts) return static_cast<size_t>(up((a.M + 1) * a.K, 16));
   const int64_t Kp = up(a.K, 128);
-  return static_cast<size_t>(up(a.M * Kp / 4, 16) + a.M * (Kp / 4 + up(a.K / kActBlock, 16)));
+  const int64_t vnni = up(a.M * Kp / 4, 16) + a.M * (Kp / 4 + up(a.K / kActBlock, 16));
+  if (!a.rows16) return static_cast<size_t>(vnni);
+  // And the x86 rows16 kernels' (qmm_int8_rows16.h's Prep: rows in groups of 8).
+  const int64_t Mg = up(a.M, 8);
+  const int64_t r16 = up(up(Mg * a.K, 64) / 4 + 3 * Mg * (a.K / kActBlock), 16);
+  return static_cast<size_t>(vnni > r16 ? vnni : r16);
 }
 
 void gemv_prepare_portable(const Args& a, float* xp);
@@ -213,6 +222,7 @@ void gemv_block_int8_avx512vnni(const Args& a, const float* xp, int64_t n0, int6
 // kernel's pieces (qmm_int8_rows16_avx2.cpp), the MoE experts' GEMV.
 void gemv_prepare_int8_rows16_avx2(const Args& a, float* xp);
 void gemv_block_int8_rows16_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1);
+void gemv_block_int8_rows16_avx512vnni(const Args& a, const float* xp, int64_t n0, int64_t n1);
 #endif
 #if defined(MLXFAST_X86)
 void gemv_prepare_avx2(const Args& a, float* xp);

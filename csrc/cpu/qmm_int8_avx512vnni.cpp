@@ -155,23 +155,6 @@ inline __m256 load_params8(const void* p, int64_t i, int64_t n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// (w >> 4) & 15 per byte. GF (a CPU with GFNI): one gf2p8affineqb, whose
-// bit matrix moves bits 4-7 of each byte to 0-3, for the shift and the mask:
-// the one-row 4-bit GEMV went from 18-19 to 21 GB/s on one Zen 4 core (L3);
-// on two it streams from DRAM at ~35 GB/s either way. Inline asm, so that
-// the file is not built with -mgfni and the compiler emits GFNI nowhere else.
-template <bool GF>
-inline __m512i high_nibbles(__m512i w, __m512i nib, __m512i matrix) {
-  if constexpr (GF) {
-    __m512i r;
-    asm("vgf2p8affineqb $0, %2, %1, %0" : "=v"(r) : "v"(w), "v"(matrix));
-    return r;
-  } else {
-    (void)matrix;
-    return _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
-  }
-}
-
 // y[m0 + m][n + r] for r < R, m < MM into yb[m * kGemvRowBlock + r]. The
 // rows' scales (and biases; none: symmetric, bias = sym_bias * scale) are
 // read in their dtype SD where they are used: a conversion pass into an

@@ -30,6 +30,7 @@
 // how many rows a call has or which pass computes a row: rows give the same
 // bits alone, as verify rows or in a prefill chunk.
 #include "cpu/qmm_x86.h"
+#include "cpu/qmm_int8_rows16.h"
 
 namespace mlxfast {
 namespace qmm {
@@ -37,27 +38,6 @@ namespace qmm {
 namespace {
 
 constexpr int kMM = 2;  // activation rows per pass over both halves of a block (registers)
-constexpr int64_t kBandBytes = 256 << 10;  // int8 activation rows kept in L2 per unit
-constexpr int64_t kUnitBlocks = 4;         // 16-row blocks per work unit
-constexpr int kAhead = 64;                 // words of software prefetch ahead
-
-// The prepared activations of a.M rows: xq [M][K] int8 (word byte order),
-// then per row and 32-value block d, d * sum(xq) (fp32) and sum(xq) (int32);
-// gemv_prep_floats(a) (the int8 kernels' bound) holds them.
-struct Prep {
-  int8_t* xq;
-  float* d;
-  float* sxd;
-  int32_t* xs;
-  int64_t B;
-};
-
-Prep prep_at(const Args& a, float* buf) {
-  const int64_t B = a.K / kActBlock;
-  float* d = buf + ceil_div(a.M * a.K, 4);
-  return {reinterpret_cast<int8_t*>(buf), d, d + a.M * B, reinterpret_cast<int32_t*>(d + 2 * a.M * B),
-          B};
-}
 
 // One 32-value block of row m from value k0, quantize_block's numbers
 // vectorized (the same operations: amax of |x|, x * (127 / amax) rounded to
@@ -106,14 +86,18 @@ inline float quantize32(const Args& a, int64_t off, int8_t* dst, int32_t* isum) 
 template <int BITS>
 void prepare_rows(const Args& a, const Prep& p, int64_t m0, int64_t m1) {
   const int64_t K = a.K, B = p.B;
+  alignas(32) int8_t blk[kActBlock];
   for (int64_t m = m0; m < m1; ++m) {
-    int8_t* xq = p.xq + m * K;
     for (int64_t b = 0; b < B; ++b) {
       int32_t is;
-      const float d = quantize32<BITS>(a, m * K + b * kActBlock, xq + b * kActBlock, &is);
-      p.d[m * B + b] = d;
-      p.sxd[m * B + b] = d * static_cast<float>(is);
-      p.xs[m * B + b] = is;
+      const float d = quantize32<BITS>(a, m * K + b * kActBlock, blk, &is);
+      for (int t = 0; t < kActBlock / 4; ++t) {
+        std::memcpy(const_cast<int8_t*>(p.word(m, b * (kActBlock / 4) + t)), blk + 4 * t, 4);
+      }
+      const int64_t i = p.blk(m, b);
+      p.d[i] = d;
+      p.sxd[i] = d * static_cast<float>(is);
+      p.xs[i] = is;
     }
   }
 }
@@ -131,9 +115,10 @@ void tile(const Args& a, const Prep& p, int64_t blk, int64_t m0) {
   constexpr int WPB = BITS == 4 ? 4 : 8;  // words per 32-value block
   const int64_t K = a.K, G = K / a.group_size, B = p.B, bpg = a.group_size / kActBlock;
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + blk * (K * BITS / 32) * 64;
-  const int8_t* xq = p.xq + m0 * K;
-  const float* d = p.d + m0 * B;
-  const float* sxd = p.sxd + m0 * B;
+  const int8_t* xq = p.word(m0, 0);  // row m0 + m's word t: xq[(t * kRowGroup + m) * 4]
+  const float* d = p.d + p.blk(m0, 0);  // row m0 + m's block b: d[b * kRowGroup + m]
+  const float* sxd = p.sxd + p.blk(m0, 0);
+  const int32_t* xs = p.xs + p.blk(m0, 0);
   const __m256i nib = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 y[MM][2];
@@ -158,29 +143,29 @@ void tile(const Args& a, const Prep& p, int64_t blk, int64_t m0) {
           const __m256i lo = _mm256_and_si256(v, nib);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
           for (int m = 0; m < MM; ++m) {
-            const int8_t* xw = xq + m * K + b * kActBlock + 8 * j;
+            const int8_t* xw = xq + ((b * 8 + 2 * j) * kRowGroup + m) * 4;
             const __m256i e = _mm256_maddubs_epi16(lo, bcast4(xw));
-            const __m256i o = _mm256_maddubs_epi16(hi, bcast4(xw + 4));
+            const __m256i o = _mm256_maddubs_epi16(hi, bcast4(xw + 4 * kRowGroup));
             acc[m][h] = _mm256_add_epi16(acc[m][h], _mm256_add_epi16(e, o));
           }
         } else {
           const __m256i u = _mm256_xor_si256(v, flip);
           const __m256i au = _mm256_abs_epi8(u);
           for (int m = 0; m < MM; ++m) {
-            const __m256i xs = _mm256_sign_epi8(bcast4(xq + m * K + b * kActBlock + 4 * j), u);
+            const __m256i xs = _mm256_sign_epi8(bcast4(xq + ((b * 8 + j) * kRowGroup + m) * 4), u);
             acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(au, xs), ones));
           }
         }
       }
     }
     for (int m = 0; m < MM; ++m) {
-      const __m256 dm = _mm256_set1_ps(d[m * B + b]), sm = _mm256_set1_ps(sxd[m * B + b]);
+      const __m256 dm = _mm256_set1_ps(d[b * kRowGroup + m]), sm = _mm256_set1_ps(sxd[b * kRowGroup + m]);
       for (int h = 0; h < 2; ++h) {
         __m256i isum;
         if constexpr (BITS == 4) {
           isum = _mm256_madd_epi16(acc[m][h], ones);
         } else {
-          isum = _mm256_add_epi32(acc[m][h], _mm256_set1_epi32(128 * p.xs[(m0 + m) * B + b]));
+          isum = _mm256_add_epi32(acc[m][h], _mm256_set1_epi32(128 * xs[b * kRowGroup + m]));
         }
         const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dm);
         y[m][h] = _mm256_fmadd_ps(t, s[h], y[m][h]);
@@ -220,9 +205,13 @@ void blocks(const Args& a, const Prep& p, int64_t b0, int64_t b1, int64_t m_begi
 
 } // namespace
 
-void gemv_prepare_int8_rows16_avx2(const Args& a, float* xp) {
+void prepare_int8_rows16_avx2(const Args& a, float* xp, int64_t m0, int64_t m1) {
   const Prep p = prep_at(a, xp);
-  a.bits == 8 ? prepare_rows<8>(a, p, 0, a.M) : prepare_rows<4>(a, p, 0, a.M);
+  a.bits == 8 ? prepare_rows<8>(a, p, m0, m1) : prepare_rows<4>(a, p, m0, m1);
+}
+
+void gemv_prepare_int8_rows16_avx2(const Args& a, float* xp) {
+  prepare_int8_rows16_avx2(a, xp, 0, a.M);
 }
 
 void gemv_block_int8_rows16_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1) {
@@ -231,28 +220,10 @@ void gemv_block_int8_rows16_avx2(const Args& a, const float* xp, int64_t n0, int
 }
 
 void run_int8_rows16_avx2(const Args& a) {
-  const int64_t M = a.M, K = a.K;
-  float* buf = tl_x.get(gemv_prep_floats(a));
-  const Prep p = prep_at(a, buf);
   const Args* pa = &a;
-  auto prep = [pa, &p](int64_t m0, int64_t m1) {
-    pa->bits == 8 ? prepare_rows<8>(*pa, p, m0, m1) : prepare_rows<4>(*pa, p, m0, m1);
-  };
-  par(M, 8, prep);
-  int64_t band = kBandBytes / K / kMM * kMM;
-  if (band < kMM) band = kMM;
-  if (band > M) band = M;
-  const int64_t NB = a.N / 16, GB = ceil_div(NB, kUnitBlocks), MB = ceil_div(M, band);
-  auto body = [pa, &p, band, NB, GB, M](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t m0 = (u / GB) * band, m1 = m0 + band < M ? m0 + band : M;
-      const int64_t b0 = (u % GB) * kUnitBlocks, b1 = b0 + kUnitBlocks < NB ? b0 + kUnitBlocks : NB;
-      pa->bits == 8 ? blocks<8>(*pa, p, b0, b1, m0, m1) : blocks<4>(*pa, p, b0, b1, m0, m1);
-    }
-  };
-  const int64_t units = MB * GB;
-  par_dynamic(units, units / (8 * num_threads()), body);
-  tl_x.trim(kKeepScratchFloats);
+  run_int8_rows16(a, kMM, [pa](const Prep& p, int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
+    pa->bits == 8 ? blocks<8>(*pa, p, b0, b1, m0, m1) : blocks<4>(*pa, p, b0, b1, m0, m1);
+  });
 }
 
 } // namespace qmm

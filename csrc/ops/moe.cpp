@@ -114,6 +114,9 @@ struct GemvFns {
 GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts, bool rows16) {
   if (rows16) {  // as quantized_matmul runs the layout
 #if defined(MLXFAST_X86)
+    if (int8_acts && int8_vnni_on(path)) {
+      return {qmm::gemv_prepare_int8_rows16_avx2, qmm::gemv_block_int8_rows16_avx512vnni};
+    }
     if (int8_acts && (path == CpuPath::Avx2 || path == CpuPath::Avx512)) {
       return {qmm::gemv_prepare_int8_rows16_avx2, qmm::gemv_block_int8_rows16_avx2};
     }

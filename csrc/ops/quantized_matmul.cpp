@@ -169,6 +169,7 @@ mx::array dense_weight(const mx::array& a, mx::Stream stream) {
 void run_qmm(const qmm::Args& a, CpuPath path) {
   if (a.rows16) {  // the row-interleaved layout: the x86 paths' kernels, else the portable ones
 #if defined(MLXFAST_X86)
+    if (a.int8_acts && int8_vnni_on(path)) return qmm::run_int8_rows16_avx512vnni(a);
     if (a.int8_acts && (path == CpuPath::Avx2 || path == CpuPath::Avx512)) {
       return qmm::run_int8_rows16_avx2(a);
     }

@@ -112,10 +112,10 @@ def pack_rows16(model: nn.Module) -> int:
     (``ops.pack_rows16``) where ops run on the CPU's AVX-512 or AVX2 path,
     whose kernels read it with rows in the lanes of a vector (csrc/cpu/qmm.h,
     ``Args::rows16``): the same bytes in another order, the layer's calls
-    unchanged. Layers with int8 activations are packed only where the int8
-    kernel reads this layout (``ops.int8_activations_layout()``: AVX2, and
-    AVX-512 without VNNI). Elsewhere nothing changes. Returns how many
-    layers were packed.
+    unchanged. Layers with int8 activations are packed where the int8
+    kernels read this layout (``ops.int8_activations_layout()``: AVX-512
+    VNNI and AVX2). Elsewhere nothing changes. Returns how many layers were
+    packed.
     Code that slices a layer's weight (models/shard.py) calls
     :func:`unpack_rows16` first."""
     if not (ops.on_cpu(None) and ops.cpu_path() in ROWS16_PATHS):

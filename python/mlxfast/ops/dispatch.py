@@ -42,9 +42,9 @@ def int8_activations_unsupported() -> str:
 
 
 def int8_activations_layout() -> str:
-    """The weight layout the native int8-activation kernel reads: ``"mlx"``
-    (AVX-512 VNNI) or ``"rows16"`` (AVX2, and AVX-512 without VNNI, see
-    ``pack_rows16``); ``""`` where there is none."""
+    """The weight layout the native int8-activation kernels read:
+    ``"rows16"`` (AVX-512 VNNI and AVX2, see ``pack_rows16``); ``""`` where
+    there is none."""
     return _ext.int8_activations_layout()
 
 
