@@ -204,7 +204,7 @@ inline size_t gemv_prep_floats(const Args& a) {
   const int64_t vnni = up(a.M * Kp / 4, 16) + a.M * (Kp / 4 + up(a.K / kActBlock, 16));
   if (!a.rows16) return static_cast<size_t>(vnni);
   // And the x86 rows16 kernels' (qmm_int8_rows16.h's Prep: rows in groups of 8).
-  const int64_t Mg = up(a.M, 8);
+  const int64_t Mg = up(a.M, 12);
   const int64_t r16 = up(up(Mg * a.K, 64) / 4 + 3 * Mg * (a.K / kActBlock), 16);
   return static_cast<size_t>(vnni > r16 ? vnni : r16);
 }

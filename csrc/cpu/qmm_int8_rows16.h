@@ -19,12 +19,12 @@ constexpr int kAhead = 64;                 // words of software prefetch ahead
 
 // The prepared activations of a.M rows (prepare_int8_rows16_avx2), in
 // groups of kRowGroup rows so that a tile addresses all its rows from one
-// pointer (eight row pointers spilled the general registers): xq holds, per
+// pointer (a pointer per row spilled the general registers): xq holds, per
 // group and 4-value word t (t = k / 4), the word of each of the group's rows
 // (4 int8 in the word byte order, see qmm_int8_rows16_avx2.cpp); then per
 // group, 32-value block and row d, d * sum(xq) (fp32) and sum(xq) (int32).
 // gemv_prep_floats(a) holds them.
-constexpr int64_t kRowGroup = 8;
+constexpr int64_t kRowGroup = 12;
 
 struct Prep {
   int8_t* xq;

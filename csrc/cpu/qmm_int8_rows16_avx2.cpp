@@ -25,6 +25,11 @@
 //           <= 2 * 128 * 127 < 2^15), vpmaddwd per word, + 128 * sum(xq);
 // then, per output, one chain over the blocks in order:
 //   y = fma(float(isum) * d, scale, y);  y = fma(bias, d * sum(xq), y)
+// and for symmetric formats (biases == nullptr, bias = -2^(bits-1) * scale)
+// the offset taken in integers, isum' = isum - 2^(bits-1) * sum(xq):
+//   y = fma(float(isum') * d, scale, y)
+// (the same value in exact arithmetic, one FMA fewer per block and output;
+// no speed difference measured at 512 rows on a Zen 4)
 // (the portable int8 kernel's terms; the rounding order is this kernel's,
 // held to the pure-MLX reference by tests). The chain does not depend on
 // how many rows a call has or which pass computes a row: rows give the same
@@ -123,14 +128,14 @@ void tile(const Args& a, const Prep& p, int64_t blk, int64_t m0) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 y[MM][2];
   for (int m = 0; m < MM; ++m) y[m][0] = y[m][1] = _mm256_setzero_ps();
-  __m256 s[2], bias[2];
+  const bool sym = a.biases == nullptr;
+  __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, bias[2] = {s[0], s[1]};
   for (int64_t b = 0; b < B; ++b, w += WPB * 64) {
     if (b % bpg == 0) {
       for (int h = 0; h < 2; ++h) {
         const int64_t i = (blk * G + b / bpg) * 16 + 8 * h;
         s[h] = load8_cvt(a.scales, a.s_dtype, i);
-        bias[h] = a.biases ? load8_cvt(a.biases, a.s_dtype, i)
-                           : _mm256_mul_ps(s[h], _mm256_set1_ps(sym_bias(BITS)));
+        if (!sym) bias[h] = load8_cvt(a.biases, a.s_dtype, i);
       }
     }
     __m256i acc[MM][2];
@@ -161,15 +166,18 @@ void tile(const Args& a, const Prep& p, int64_t blk, int64_t m0) {
     for (int m = 0; m < MM; ++m) {
       const __m256 dm = _mm256_set1_ps(d[b * kRowGroup + m]), sm = _mm256_set1_ps(sxd[b * kRowGroup + m]);
       for (int h = 0; h < 2; ++h) {
+        // sum(q * xq), or symmetric sum((q - 2^(bits-1)) * xq).
         __m256i isum;
         if constexpr (BITS == 4) {
           isum = _mm256_madd_epi16(acc[m][h], ones);
+          if (sym) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xs[b * kRowGroup + m]));
         } else {
-          isum = _mm256_add_epi32(acc[m][h], _mm256_set1_epi32(128 * xs[b * kRowGroup + m]));
+          isum = sym ? acc[m][h]
+                     : _mm256_add_epi32(acc[m][h], _mm256_set1_epi32(128 * xs[b * kRowGroup + m]));
         }
         const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dm);
         y[m][h] = _mm256_fmadd_ps(t, s[h], y[m][h]);
-        y[m][h] = _mm256_fmadd_ps(bias[h], sm, y[m][h]);
+        if (!sym) y[m][h] = _mm256_fmadd_ps(bias[h], sm, y[m][h]);
       }
     }
   }

@@ -12,7 +12,8 @@
 // against the AVX2 kernel's 16 maddubs plus widening adds per 8 outputs.
 // The activations, the integer sums and the fp32 chain per output
 //   y = fma(float(isum) * d, scale, y);  y = fma(bias, d * sum(xq), y)
-// are the AVX2 kernel's (qmm_int8_rows16_avx2.cpp), so are the results, to
+// (symmetric formats: the offset taken in integers, no bias term) are the
+// AVX2 kernel's (qmm_int8_rows16_avx2.cpp), so are the results, to
 // the bit, whichever kernel, pass or call size computes a row.
 //
 // One kernel for every M: decode GEMVs stream each 16-row block once, from
@@ -31,9 +32,11 @@ namespace qmm {
 namespace {
 
 // Activation rows per pass over a block: an int32 and an fp32 accumulator
-// each, plus the word, its nibbles, the scales and constants (23 of 32
-// registers; 12 rows spilled).
-constexpr int kPass = 8;
+// each, the word (and its nibbles) and the scales; the activations are
+// broadcast from memory inside vpdpbusd (dpbusd_bcast). Against 8 rows a
+// pass, a 1B's layer shapes at 12 rows (a verify step's) took 5.9 instead
+// of 8.0 ms, at 8, 64 and 512 rows alike (one thread, alternating runs).
+constexpr int kPass = 12;
 static_assert(kRowGroup % kPass == 0, "a pass's rows share a row group");
 
 // Software prefetch, first pass over a block only: the codes 8 KB ahead into
@@ -45,26 +48,29 @@ static_assert(kRowGroup % kPass == 0, "a pass's rows share a row group");
 constexpr int64_t kCodesAhead = 128;  // 64-byte words
 constexpr int64_t kParamsAhead = 16;
 
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+// acc += vpdpbusd(w, the 4 bytes at p broadcast): the broadcast folded into
+// the instruction's memory operand ({1to16}), which the compiler does not
+// do for _mm512_set1_epi32 of a load.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
 }
 
 // Outputs 16 * blk .. +16 of activation rows m0 .. m0+MM-1. w: the block's
 // codes, as the layout has them (NIB: 4-bit words) or as bytes (4 bits:
 // unpack_block's order; 8 bits: the layout's).
-template <int BITS, bool NIB, int MM, bool PF, bool GF, DType SD>
+template <int BITS, bool NIB, int MM, bool PF, bool GF, DType SD, bool SYM>
 void tile(const Args& a, const Prep& p, const uint8_t* w, int64_t blk, int64_t m0) {
   constexpr int WPB = NIB ? 4 : 8;  // vectors per 32-value block
   const int64_t G = a.K / a.group_size, bpg = a.group_size / kActBlock;
   const int8_t* xq = p.word(m0, 0);  // row m0 + m's word t: xq[(t * kRowGroup + m) * 4]
   const float* d = p.d + p.blk(m0, 0);  // row m0 + m's block b: d[b * kRowGroup + m]
   const float* sxd = p.sxd + p.blk(m0, 0);
+  const int32_t* xs = p.xs + p.blk(m0, 0);
   const __m512i nib = _mm512_set1_epi8(0x0f);
   const __m512i matrix = _mm512_set1_epi64(0x1020408000000000ll);
   __m512 y[MM];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int m = 0; m < MM; ++m) y[m] = _mm512_setzero_ps();
   int64_t b = 0;
   for (int64_t g = 0; g < G; ++g) {
@@ -75,37 +81,41 @@ void tile(const Args& a, const Prep& p, const uint8_t* w, int64_t blk, int64_t m
       if (a.biases) prefetch_stream(static_cast<const char*>(a.biases) + (i + 16 * kParamsAhead) * es);
     }
     const __m512 s = load_cvt(a.scales, SD, i, 0xffff);
-    const __m512 bias = a.biases ? load_cvt(a.biases, SD, i, 0xffff)
-                                 : _mm512_mul_ps(s, _mm512_set1_ps(sym_bias(BITS)));
+    const __m512 bias = SYM ? s : load_cvt(a.biases, SD, i, 0xffff);
     for (int64_t e = 0; e < bpg; ++e, ++b, w += WPB * 64) {
+      // sum(q * xq), or symmetric sum((q - 2^(bits-1)) * xq): the offset
+      // as the sums' start.
       __m512i acc[MM];
-#pragma GCC unroll 8
-      for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
-#pragma GCC unroll 8
+#pragma GCC unroll 12
+      for (int m = 0; m < MM; ++m) {
+        acc[m] = SYM ? _mm512_set1_epi32(-(1 << (BITS - 1)) * xs[b * kRowGroup + m])
+                     : _mm512_setzero_si512();
+      }
+#pragma GCC unroll 12
       for (int j = 0; j < WPB; ++j) {
         if (PF) prefetch_weights(w + 64 * (j + kCodesAhead));
         const __m512i v = _mm512_loadu_si512(w + 64 * j);
         if constexpr (NIB) {
           const __m512i lo = _mm512_and_si512(v, nib);
           const __m512i hi = high_nibbles<GF>(v, nib, matrix);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
           for (int m = 0; m < MM; ++m) {
             const int8_t* xw = xq + ((b * 8 + 2 * j) * kRowGroup + m) * 4;
-            acc[m] = _mm512_dpbusd_epi32(acc[m], lo, bcast4(xw));
-            acc[m] = _mm512_dpbusd_epi32(acc[m], hi, bcast4(xw + 4 * kRowGroup));
+            acc[m] = dpbusd_bcast(acc[m], lo, xw);
+            acc[m] = dpbusd_bcast(acc[m], hi, xw + 4 * kRowGroup);
           }
         } else {
-#pragma GCC unroll 8
+#pragma GCC unroll 12
           for (int m = 0; m < MM; ++m) {
-            acc[m] = _mm512_dpbusd_epi32(acc[m], v, bcast4(xq + ((b * 8 + j) * kRowGroup + m) * 4));
+            acc[m] = dpbusd_bcast(acc[m], v, xq + ((b * 8 + j) * kRowGroup + m) * 4);
           }
         }
       }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
       for (int m = 0; m < MM; ++m) {
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_set1_ps(d[b * kRowGroup + m]));
         y[m] = _mm512_fmadd_ps(t, s, y[m]);
-        y[m] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sxd[b * kRowGroup + m]), y[m]);
+        if (!SYM) y[m] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sxd[b * kRowGroup + m]), y[m]);
       }
     }
   }
@@ -117,7 +127,8 @@ void pass(const Args& a, const Prep& p, const uint8_t* w, int64_t blk, int64_t m
   if constexpr (MM < kPass) {
     if (mm > MM) return pass<BITS, NIB, PF, GF, SD, MM + 1>(a, p, w, blk, m0, mm);
   }
-  tile<BITS, NIB, MM, PF, GF, SD>(a, p, w, blk, m0);
+  if (a.biases) return tile<BITS, NIB, MM, PF, GF, SD, false>(a, p, w, blk, m0);
+  tile<BITS, NIB, MM, PF, GF, SD, true>(a, p, w, blk, m0);
 }
 
 // A 4-bit block's codes as bytes, each word's low nibbles then its high
