@@ -6,8 +6,9 @@ Quality, measured on this machine (AVX-512 VNNI), default model
 (SmolLM2-135M-Instruct Q4_1), teacher-forced over the whole GPL text in
 windows of 256 tokens (7,424 positions), int8 on every 4/8-bit projection
 inside the blocks (the output head keeps fp32):
-  top-1 agreement with llama.cpp: int8 96.04%, fp32 95.81%, mlx-lm 95.86%;
-  perplexity: fp32 28.041, int8 28.094 (+0.19%; bar: within 0.5%).
+  top-1 agreement with llama.cpp: int8 96.09%, fp32 95.81%, mlx-lm 95.86%;
+  perplexity: fp32 28.041, int8 28.094 (+0.19%; bar: within 0.5%)
+  (the row-interleaved VNNI kernel; over MLX's layout it was 96.04%).
 Over only 512 positions (4 x 128: code, a story, JSON records, GPL prose)
 the same run gives int8 95.9% vs mlx-lm 96.7% and perplexity +1.1%: at that
 size the numbers are dominated by which near-ties flip (see the quality
