@@ -15,7 +15,6 @@ namespace {
 
 constexpr int64_t kBandBytes = 256 << 10;  // int8 activation rows kept in L2 per unit
 constexpr int64_t kUnitBlocks = 4;         // 16-row blocks per work unit
-constexpr int kAhead = 64;                 // words of software prefetch ahead
 
 // The prepared activations of a.M rows (prepare_int8_rows16_avx2), in
 // groups of kRowGroup rows so that a tile addresses all its rows from one

@@ -43,6 +43,7 @@ namespace qmm {
 namespace {
 
 constexpr int kMM = 2;  // activation rows per pass over both halves of a block (registers)
+constexpr int kAhead = 64;  // words of software prefetch ahead (into L1)
 
 // One 32-value block of row m from value k0, quantize_block's numbers
 // vectorized (the same operations: amax of |x|, x * (127 / amax) rounded to

@@ -308,8 +308,9 @@ def quantized_matmul(
     ``mx.quantized_matmul`` (and the separate ops for the fused pieces).
     ``activations="int8"`` (opt-in) quantizes x (after the prologue) to int8
     per 32 values, llama.cpp's Q8_1 scheme (see ``ACT_BLOCK`` above); on the
-    CPU the VNNI kernel runs where the CPU has AVX-512 VNNI, a portable one
-    elsewhere, and :func:`quantized_matmul_int8_reference` off the CPU. The
+    CPU an AVX-512 VNNI or AVX2 kernel runs (fastest over the row-interleaved
+    layout, :func:`pack_rows16`), a portable one elsewhere, and
+    :func:`quantized_matmul_int8_reference` off the CPU. The
     default, ``"fp32"``, keeps the activations as they are.
 
     Bad shapes/dtypes raise ``ValueError``.
