@@ -7,8 +7,9 @@ fp32 quantized matmul. The kernels compute the same products as exact
 integer sums per block, scaled afterwards, so they differ from the oracle by
 float rounding order only: the error, against the natural scale
 |x_hat| @ |w_hat|.T, is held to 2e-6 (measured: <= 3e-7). Every CPU path
-this machine can execute is forced in turn (the portable kernel and, on
-AVX-512 VNNI CPUs, the VNNI kernel).
+this machine can execute is forced in turn: over MLX's layout each runs the
+portable kernel; over the row-interleaved one (below) the AVX2 kernel and,
+on AVX-512 VNNI CPUs, the VNNI kernel.
 """
 
 from pathlib import Path
@@ -45,8 +46,8 @@ def rel_err(got, x, wq, s, b, group_size, bits):
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("with_biases", [True, False], ids=["biases", "symmetric"])
 def test_kernel_matches_int8_reference(path, M, bits, group_size, with_biases):
-    # Odd N; K = 320 and 576 are not multiples of the 4-bit kernel's
-    # 128-value chunk (a masked tail chunk).
+    # Odd N (MLX's layout: the loader cannot interleave it); K = 320 and 576
+    # are not multiples of 128.
     for N, K in ((37, 320), (19, 576)):
         wq, s, b = make_weights(N, K, group_size, bits, seed=M)
         x = mx.random.normal((M, K)) * mx.random.uniform(0.1, 4.0, (M, 1))
@@ -62,8 +63,8 @@ def test_kernel_matches_int8_reference(path, M, bits, group_size, with_biases):
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 128), (4, 64)])
 @pytest.mark.parametrize("with_biases", [True, False], ids=["biases", "symmetric"])
 def test_scale_dtypes(path, sdtype, M, bits, group_size, with_biases):
-    # The GEMV tile reads scales and biases in their own dtype; K = 320 is
-    # not a whole number of 4-bit chunks (the last chunk's groups masked).
+    # Scales and biases are read in their own dtype; K = 320 is not a
+    # multiple of 128.
     K = 384 if group_size == 128 else 320
     wq, s, b = make_weights(21, K, group_size, bits, sdtype, seed=M)
     x = mx.random.normal((M, K))
@@ -112,8 +113,7 @@ def test_int8_is_not_fp32(path):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_do_not_depend_on_their_batch(path, bits):
     # Per-row quantization and a fixed accumulation order per output: a row
-    # gives the same bits alone or in a GEMV batch (up to 7 rows), and the
-    # same bits in any GEMM batch (8 rows and more, any micro-tile height).
+    # gives the same bits alone and in any batch.
     wq, s, b = make_weights(45, 576, 32, bits)
     x = mx.random.normal((40, 576))
     kw = dict(group_size=32, bits=bits, activations="int8")
@@ -160,21 +160,15 @@ import numpy as np
 from mlxfast import ops
 out = []
 for gs, sd in ((32, mx.float16), (64, mx.bfloat16), (128, mx.float32)):
-    K = 640 if gs == 128 else 576  # 5 whole 128-value chunks, 4.5 (a tail)
+    K = 640 if gs == 128 else 576
     mx.random.seed(gs)
-    wq, s, b = mx.quantize(mx.random.normal((37, K)) * 0.05, group_size=gs, bits=4)
-    for M in (1, 3, 7):
-        x = mx.random.normal((M, K))
-        for bb in (b.astype(sd), None):
-            y = ops.quantized_matmul(x, wq, s.astype(sd), bb, group_size=gs, bits=4,
+    wq, s, b = mx.quantize(mx.random.normal((48, K)) * 0.05, group_size=gs, bits=4)
+    for bb in (b.astype(sd), None):
+        pw = ops.pack_rows16(wq, s.astype(sd), bb)
+        for M in (1, 7, 13, 20):
+            y = ops.quantized_matmul(mx.random.normal((M, K)), *pw, group_size=gs, bits=4,
                                      activations="int8")
             out.append(np.array(y).ravel())
-    wq, s, b = mx.quantize(mx.random.normal((48, K)) * 0.05, group_size=gs, bits=4)
-    pw = ops.pack_rows16(wq, s.astype(sd), b.astype(sd))
-    for M in (1, 7, 9, 20):
-        y = ops.quantized_matmul(mx.random.normal((M, K)), *pw, group_size=gs, bits=4,
-                                 activations="int8")
-        out.append(np.array(y).ravel())
 np.save(sys.argv[1], np.concatenate(out))
 """
 
@@ -195,11 +189,10 @@ needs_vnni = pytest.mark.skipif(not (VNNI and ops.cpu_path() == "avx512"),
 
 @needs_vnni
 def test_gfni_and_shift_and_mask_agree_bit_for_bit(tmp_path):
-    # The VNNI kernels take each byte's high nibble with one GFNI instruction
+    # The VNNI kernel takes each byte's high nibble with one GFNI instruction
     # where the CPU has it, with a shift and a mask otherwise (MLXFAST_GFNI=0,
-    # as on CPUs without GFNI): the same integers, so the same bits. MLX's
-    # layout (37 rows: not packable) and the row-interleaved one (48 rows;
-    # 9 and 20 rows unpack each block to bytes first).
+    # as on CPUs without GFNI): the same integers, so the same bits (13 and
+    # 20 rows unpack each block to bytes first).
     import os
     import subprocess
     import sys
@@ -210,8 +203,7 @@ def test_gfni_and_shift_and_mask_agree_bit_for_bit(tmp_path):
         f = tmp_path / f"gfni{flag}.npy"
         subprocess.run([sys.executable, "-c", _GFNI_RUN, str(f)], env=env, check=True)
         got[flag] = np.load(f)
-    # group sizes x (rows x biases x outputs + rows16's rows x outputs)
-    assert got["0"].size == 3 * ((1 + 3 + 7) * 2 * 37 + (1 + 7 + 9 + 20) * 48)
+    assert got["0"].size == 3 * 2 * (1 + 7 + 13 + 20) * 48  # group sizes x biases x rows x outputs
     assert np.isfinite(got["0"]).all() and np.array_equal(got["0"], got["1"])
 
 
@@ -270,7 +262,7 @@ def test_rows16_kernel_matches_int8_reference(path, M, bits, group_size, with_bi
 @pytest.mark.parametrize("sdtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_rows16_vnni_and_avx2_kernels_agree_bit_for_bit(bits, group_size, with_biases, sdtype):
     # The same integer block sums and the same fp32 chain per output: the
-    # VNNI kernel (8 rows a pass; a block unpacked to bytes for more than 8)
+    # VNNI kernel (12 rows a pass; a block unpacked to bytes for more than 12)
     # gives the AVX2 kernel's bits at every number of rows.
     K = 384 if group_size == 128 else 576
     _, pw = packed16(64, K, group_size, bits, with_biases, sdtype=sdtype, seed=bits + group_size)

@@ -17,7 +17,8 @@ const char* cpu_path_name(CpuPath path);
 // AVX-512 F/BW/VL/DQ + AVX512_VNNI (vpdpbusd on zmm), AVX-VNNI (on ymm).
 bool cpu_has_avx512_vnni();
 // Whether the int8-activation matmul runs its VNNI kernel on this path (the
-// avx512 path on an AVX-512 VNNI CPU); the portable int8 kernel otherwise.
+// avx512 path on an AVX-512 VNNI CPU); the AVX2 one on the avx2 and avx512
+// paths otherwise.
 inline bool int8_vnni_on(CpuPath path) {
   return path == CpuPath::Avx512 && cpu_has_avx512_vnni();
 }

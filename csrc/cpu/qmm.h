@@ -157,14 +157,13 @@ void run_avx512(const Args& a);
 #endif
 
 // The int8-activation matmul (a.int8_acts): the portable kernel takes every
-// bit width; the VNNI kernel takes bits 4 and 8 (others: portable) and runs
-// only where cpu_has_avx512_vnni() (common/cpu_features.h).
+// bit width and layout; the SIMD kernels take the row-interleaved layout
+// (a.rows16: bits 4 and 8), every M: qmm_int8_rows16_avx2.cpp (AVX2: also
+// what a CPU without VNNI runs on the AVX-512 path) and
+// qmm_int8_rows16_avx512vnni.cpp (AVX-512 VNNI, only where
+// cpu_has_avx512_vnni(), common/cpu_features.h); the same bits.
 void run_int8_portable(const Args& a);
 #if defined(MLXFAST_X86)
-void run_int8_avx512vnni(const Args& a);
-// a.rows16 too (bits 4 or 8), every M: qmm_int8_rows16_avx2.cpp (AVX2:
-// also what a CPU without VNNI runs on the AVX-512 path) and
-// qmm_int8_rows16_avx512vnni.cpp (AVX-512 VNNI); the same bits.
 void run_int8_rows16_avx2(const Args& a);
 void run_int8_rows16_avx512vnni(const Args& a);
 // Rows [m0, m1) of a.x quantized into xp as both rows16 kernels read them.
@@ -185,41 +184,31 @@ void run_neon(const Args& a);
 // portable path takes every width and dense weights.
 constexpr int64_t kGemvBlockRows = 16;
 
-// Rows up to which the int8-activation kernels run their GEMV tile; more
-// rows take their GEMM (see qmm_int8_avx512vnni.cpp for the measurements).
-constexpr int64_t kInt8GemvMaxRows = 7;
-
 // The floats gemv_prepare_* writes (a multiple of 16: consecutive buffers
-// stay 64-byte aligned when the first is). Int8 activations: the VNNI
-// layout's bound (int8 rows padded to 128 values, a scale per 8 or 4 values,
-// d * sum(xq) per 32-value block padded to 16 blocks), which the portable
-// layout also fits in.
+// stay 64-byte aligned when the first is). Int8 activations: the x86 rows16
+// kernels' layout (qmm_int8_rows16.h's Prep: rows in groups of 12, int8
+// rows, then d, d * sum(xq) and sum(xq) per 32-value block), which the
+// portable one ([M][K] int8, then d and d * sum(xq)) also fits in.
 inline size_t gemv_prep_floats(const Args& a) {
   auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
   if (a.rows16 && !a.int8_acts) {
     return static_cast<size_t>(up(a.M * a.K + a.M * (a.K / a.group_size) + 16, 16));
   }
   if (!a.int8_acts) return static_cast<size_t>(up((a.M + 1) * a.K, 16));
-  const int64_t Kp = up(a.K, 128);
-  const int64_t vnni = up(a.M * Kp / 4, 16) + a.M * (Kp / 4 + up(a.K / kActBlock, 16));
-  if (!a.rows16) return static_cast<size_t>(vnni);
-  // And the x86 rows16 kernels' (qmm_int8_rows16.h's Prep: rows in groups of 8).
   const int64_t Mg = up(a.M, 12);
-  const int64_t r16 = up(up(Mg * a.K, 64) / 4 + 3 * Mg * (a.K / kActBlock), 16);
-  return static_cast<size_t>(vnni > r16 ? vnni : r16);
+  return static_cast<size_t>(up(up(Mg * a.K, 64) / 4 + 3 * Mg * (a.K / kActBlock), 16));
 }
 
 void gemv_prepare_portable(const Args& a, float* xp);
 void gemv_block_portable(const Args& a, const float* xp, int64_t n0, int64_t n1);
 // The int8-activation GEMV in the same two pieces (a.int8_acts; portable:
-// bits 2..8; VNNI: bits 4 and 8, only where cpu_has_avx512_vnni()).
+// bits 2..8, either layout).
 void gemv_prepare_int8_portable(const Args& a, float* xp);
 void gemv_block_int8_portable(const Args& a, const float* xp, int64_t n0, int64_t n1);
 #if defined(MLXFAST_X86)
-void gemv_prepare_int8_avx512vnni(const Args& a, float* xp);
-void gemv_block_int8_avx512vnni(const Args& a, const float* xp, int64_t n0, int64_t n1);
-// a.rows16 (whole 16-row blocks, n0 and n1 multiples of 16): the AVX2 int8
-// kernel's pieces (qmm_int8_rows16_avx2.cpp), the MoE experts' GEMV.
+// a.rows16 (whole 16-row blocks, n0 and n1 multiples of 16): the rows16
+// kernels' pieces (one prepare for both; the VNNI block only where
+// cpu_has_avx512_vnni()), the MoE experts' GEMV.
 void gemv_prepare_int8_rows16_avx2(const Args& a, float* xp);
 void gemv_block_int8_rows16_avx2(const Args& a, const float* xp, int64_t n0, int64_t n1);
 void gemv_block_int8_rows16_avx512vnni(const Args& a, const float* xp, int64_t n0, int64_t n1);

@@ -1,7 +1,7 @@
 // AVX-512 helpers shared by the AVX-512 quantized-matmul files
-// (qmm_avx512.cpp and the VNNI files): masked dtype conversion on load and
-// store, the transposed horizontal reduction of a GEMV tile, and a 4-bit
-// code's high nibble.
+// (qmm_avx512.cpp, qmm_int8_rows16_avx512vnni.cpp): masked dtype conversion
+// on load and store, the transposed horizontal reduction of a GEMV tile,
+// and a 4-bit code's high nibble.
 // Included after qmm_x86.h, with the including file's ISA flags: anonymous
 // namespace (see qmm.h's ODR note).
 #pragma once
@@ -89,9 +89,10 @@ inline void reduce_add_many(const __m512* v, int n, float* out) {
 
 // (w >> 4) & 15 per byte. GF (a CPU with GFNI; matrix =
 // _mm512_set1_epi64(0x1020408000000000)): one gf2p8affineqb, whose bit matrix
-// moves bits 4-7 of each byte to 0-3, for the shift and the mask: the
-// one-row 4-bit GEMV went from 18-19 to 21 GB/s on one Zen 4 core (L3);
-// on two it streams from DRAM at ~35 GB/s either way. Inline asm, so that
+// moves bits 4-7 of each byte to 0-3, for the shift and the mask: a
+// one-row 4-bit int8 GEMV (the former VNNI kernel over MLX's layout) went
+// from 18-19 to 21 GB/s on one Zen 4 core (L3); on two it streamed from
+// DRAM at ~35 GB/s either way. Inline asm, so that
 // no file is built with -mgfni and the compiler emits GFNI nowhere else.
 template <bool GF>
 inline __m512i high_nibbles(__m512i w, __m512i nib, __m512i matrix) {

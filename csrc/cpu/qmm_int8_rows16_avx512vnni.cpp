@@ -18,9 +18,9 @@
 //
 // One kernel for every M: decode GEMVs stream each 16-row block once, from
 // DRAM, with a software prefetch ahead; larger calls reuse the block from
-// L1 for every pass of up to kPass activation rows. It replaces, for layers
-// in this layout, the VNNI kernel over MLX's layout, whose GEMM re-laid each
-// 16-row weight panel per call (a third of an 8-row decode step there).
+// L1 for every pass of up to kPass activation rows. It replaced (session
+// 35) a VNNI kernel over MLX's layout, whose GEMM re-laid each 16-row weight
+// panel per call (a third of an 8-row decode step there).
 #include "common/cpu_features.h"
 #include "cpu/qmm_x86.h"
 #include "cpu/qmm_avx512.h"
@@ -41,8 +41,8 @@ static_assert(kRowGroup % kPass == 0, "a pass's rows share a row group");
 
 // Software prefetch, first pass over a block only: the codes 8 KB ahead into
 // L2 (prefetch_weights), the scales and biases 16 groups ahead. A 1B's
-// layer shapes from DRAM, one activation row, alternating with the VNNI
-// kernel over MLX's layout: 0.78x of it without these, 0.86x with the
+// layer shapes from DRAM, one activation row, alternating with the (former)
+// VNNI kernel over MLX's layout: 0.78x of it without these, 0.86x with the
 // layout's usual L1 prefetch 4 KB ahead (prefetch_stream, right for the
 // heavier fp32 tile), 1.02-1.06x with this one (16 KB ahead: 0.99x).
 constexpr int64_t kCodesAhead = 128;  // 64-byte words

@@ -1,6 +1,5 @@
 // An in-register 16 x 16 dword transpose for the AVX-512 kernels
-// (qmm_int8_avx512vnni.cpp's weight panels, kv_quant_avx512.cpp's key
-// columns). Compiled per ISA: everything lives in an anonymous namespace
+// (kv_quant_avx512.cpp's key columns). Compiled per ISA: everything lives in an anonymous namespace
 // (see csrc/cpu/qmm.h, ODR).
 #pragma once
 

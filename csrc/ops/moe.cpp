@@ -55,6 +55,10 @@ void top_k(const float* v, int64_t E, int k, int32_t* ids) {
 // --------------------------------------------------------------- experts
 
 constexpr int64_t kLightRows = qmm::kGemvMaxRows;  // more tokens: the whole GEMM
+// Int8 activations: 7, where the VNNI kernel over MLX's layout (removed in
+// session 35) took its GEMM. The rows16 int8 kernels run one tile at every
+// size, so for them it only chooses the fan-out (not re-measured).
+constexpr int64_t kInt8LightRows = 7;
 constexpr int64_t kInlineFloats = 1 << 16;  // smaller elementwise passes: no fan-out
 
 struct Proj {  // one projection of every expert
@@ -126,14 +130,7 @@ GemvFns gemv_fns(CpuPath path, int bits, bool int8_acts, bool rows16) {
     if (int8_acts) return {qmm::gemv_prepare_int8_portable, qmm::gemv_block_int8_portable};
     return {qmm::gemv_prepare_portable, qmm::gemv_block_portable};
   }
-  if (int8_acts) {
-#if defined(MLXFAST_X86)
-    if (int8_vnni_on(path)) {
-      return {qmm::gemv_prepare_int8_avx512vnni, qmm::gemv_block_int8_avx512vnni};
-    }
-#endif
-    return {qmm::gemv_prepare_int8_portable, qmm::gemv_block_int8_portable};
-  }
+  if (int8_acts) return {qmm::gemv_prepare_int8_portable, qmm::gemv_block_int8_portable};
   switch (path) {
 #if defined(MLXFAST_X86)
     case CpuPath::Avx512:
@@ -229,7 +226,7 @@ void run_experts(Plan P) {
     }
   }
   std::vector<int64_t> light, heavy;
-  const int64_t light_rows = P.int8_acts ? qmm::kInt8GemvMaxRows : kLightRows;
+  const int64_t light_rows = P.int8_acts ? kInt8LightRows : kLightRows;
   for (int64_t e = 0; e < E; ++e) {
     if (count[e] == 0) continue;
     (count[e] <= light_rows ? light : heavy).push_back(e);

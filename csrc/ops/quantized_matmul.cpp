@@ -178,13 +178,9 @@ void run_qmm(const qmm::Args& a, CpuPath path) {
 #endif
     return a.int8_acts ? qmm::run_int8_portable(a) : qmm::run_portable(a);
   }
-  if (a.int8_acts) {
-#if defined(MLXFAST_X86)
-    // The VNNI kernel needs more than the AVX-512 path's check: ask for it.
-    if (int8_vnni_on(path)) return qmm::run_int8_avx512vnni(a);
-#endif
-    return qmm::run_int8_portable(a);
-  }
+  // Int8 activations over MLX's layout (a layer the loader could not
+  // interleave: rows not a multiple of 16): the portable kernel.
+  if (a.int8_acts) return qmm::run_int8_portable(a);
   switch (path) {
 #if defined(MLXFAST_X86)
     case CpuPath::Avx512: qmm::run_avx512(a); break;
