@@ -25,15 +25,15 @@
 //           <= 2 * 128 * 127 < 2^15), vpmaddwd per word, + 128 * sum(xq);
 // then, per output, one chain over the blocks in order:
 //   y = fma(float(isum) * d, scale, y);  y = fma(bias, d * sum(xq), y)
-// and for symmetric formats (biases == nullptr, bias = -2^(bits-1) * scale)
-// the offset taken in integers, isum' = isum - 2^(bits-1) * sum(xq):
+// (the portable int8 kernel's terms; the rounding order is this kernel's,
+// held to the pure-MLX reference by tests), and for symmetric formats
+// (biases == nullptr, bias = -2^(bits-1) * scale) the offset taken in
+// integers, isum' = isum - 2^(bits-1) * sum(xq):
 //   y = fma(float(isum') * d, scale, y)
 // (the same value in exact arithmetic, one FMA fewer per block and output;
-// no speed difference measured at 512 rows on a Zen 4)
-// (the portable int8 kernel's terms; the rounding order is this kernel's,
-// held to the pure-MLX reference by tests). The chain does not depend on
-// how many rows a call has or which pass computes a row: rows give the same
-// bits alone, as verify rows or in a prefill chunk.
+// no speed difference measured at 512 rows on a Zen 4). The chain does not
+// depend on how many rows a call has or which pass computes a row: rows
+// give the same bits alone, as verify rows or in a prefill chunk.
 #include "cpu/qmm_x86.h"
 #include "cpu/qmm_int8_rows16.h"
 
@@ -158,8 +158,8 @@ void tile(const Args& a, const Prep& p, int64_t blk, int64_t m0) {
           const __m256i u = _mm256_xor_si256(v, flip);
           const __m256i au = _mm256_abs_epi8(u);
           for (int m = 0; m < MM; ++m) {
-            const __m256i xs = _mm256_sign_epi8(bcast4(xq + ((b * 8 + j) * kRowGroup + m) * 4), u);
-            acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(au, xs), ones));
+            const __m256i xu = _mm256_sign_epi8(bcast4(xq + ((b * 8 + j) * kRowGroup + m) * 4), u);
+            acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(au, xu), ones));
           }
         }
       }
