@@ -3,13 +3,15 @@ long prompt cold vs prefix-cached, from one run on one engine.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--tokens 128]
         [--prompt-tokens 2000] [--concurrency 1,4,8,16] [--rounds 3] [--block-sizes]
-        [--compare-async] [--matmul-activations int8]
+        [--compare-async | --compare-head-choice] [--matmul-activations int8]
 
 Targets: 8 streams >= 4x the single-stream aggregate; a cached-prefix first
 token >= 20x sooner than cold. ``--block-sizes`` adds a micro-benchmark of the
 native paged attention kernel per block size (decode and prefill shapes).
 ``--compare-async`` instead runs decode on two engines, async scheduling on
-and off, alternating within each round, and reports on / off per level.
+and off, alternating within each round, and reports on / off per level;
+``--compare-head-choice`` likewise with the head's greedy choice
+(``EngineConfig.head_choice``, ops.quantized_argmax) on and off.
 """
 
 from __future__ import annotations
@@ -61,11 +63,11 @@ def ttft(engine, prompt, salt):
     return stamps[0] - t0
 
 
-def compare_async(model, tok, levels, args):
-    """Decode tok/s with async scheduling on and off, alternating engines."""
+def compare(model, tok, levels, args, field):
+    """Decode tok/s with an EngineConfig switch on and off, alternating engines."""
     engines = {on: Engine(model, tok, EngineConfig(
         max_num_seqs=max(levels), kv_cache_gb=0.5, block_size=args.block_size,
-        kv_dtype=args.kv_dtype, async_scheduling=on)).start() for on in (True, False)}
+        kv_dtype=args.kv_dtype, **{field: on})).start() for on in (True, False)}
     rng = random.Random(0)
     vocab = model.args.vocab_size
     runs = {(on, c): [] for on in engines for c in levels}
@@ -78,7 +80,8 @@ def compare_async(model, tok, levels, args):
     finally:
         for e in engines.values():
             e.shutdown()
-    print(f"{'streams':>8} {'async on':>9} {'off':>7} {'on/off':>7}   (medians of {args.rounds} rounds)")
+    print(f"{field}")
+    print(f"{'streams':>8} {'on':>9} {'off':>7} {'on/off':>7}   (medians of {args.rounds} rounds)")
     for c in levels:
         on, off = runs[True, c], runs[False, c]
         ratio = statistics.median(a / b for a, b in zip(on, off))
@@ -128,6 +131,8 @@ def main():
     ap.add_argument("--block-sizes", action="store_true")
     ap.add_argument("--compare-async", action="store_true",
                     help="decode with async scheduling on vs off (alternating engines), then exit")
+    ap.add_argument("--compare-head-choice", action="store_true",
+                    help="decode with the head's greedy choice on vs off (alternating engines), then exit")
     ap.add_argument("--kv-dtype", default=None, help="float32 | float16 | bfloat16 (default: auto, kv.block_pool.default_kv_dtype)")
     ap.add_argument("--matmul-activations", choices=["fp32", "int8"], default="fp32",
                     help="int8: the opt-in int8-activation matmuls (mlxfast.load)")
@@ -135,8 +140,9 @@ def main():
 
     model, tok = mlxfast.load(args.model, matmul_activations=args.matmul_activations)
     levels = [int(c) for c in args.concurrency.split(",")]
-    if args.compare_async:
-        return compare_async(model, tok, levels, args)
+    if args.compare_async or args.compare_head_choice:
+        field = "async_scheduling" if args.compare_async else "head_choice"
+        return compare(model, tok, levels, args, field)
     engine = Engine(model, tok, EngineConfig(max_num_seqs=max(levels), kv_cache_gb=1.0,
                                              block_size=args.block_size, kv_dtype=args.kv_dtype)).start()
     rng = random.Random(0)

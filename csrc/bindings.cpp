@@ -7,6 +7,7 @@
 
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
+#include "ops/quantized_argmax.h"
 #include "ops/quantized_matmul.h"
 #include "ops/silu_mul.h"
 #include "ops/rms_norm.h"
@@ -86,6 +87,9 @@ NB_MODULE(_ext, m) {
         "x"_a, "w"_a, "scales"_a, "biases"_a.none(), nb::kw_only(), "group_size"_a = 64, "bits"_a = 4,
         "norm"_a = nb::none(), "eps"_a = 0.f, "act"_a = nb::none(), "residual"_a = nb::none(),
         "activations"_a = "fp32", "stream"_a = nb::none());
+  m.def("quantized_argmax", &mlxfast::quantized_argmax, "x"_a, "w"_a, "scales"_a, "biases"_a.none(),
+        "bounds"_a, nb::kw_only(), "group_size"_a, "bits"_a, "norm"_a = nb::none(), "eps"_a = 0.f,
+        "stream"_a = nb::none());
   m.def("quantized_matmul_direct", &mlxfast::quantized_matmul_direct, "x"_a, "w"_a, "scales"_a,
         "biases"_a.none(), nb::kw_only(), "group_size"_a, "bits"_a, "int8"_a, "path"_a,
         "Test hook: the kernels on evaluated arrays (biases None: symmetric).");

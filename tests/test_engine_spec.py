@@ -776,9 +776,9 @@ def test_a_draft_model_catches_up_on_a_long_prompt_over_several_steps(model, tok
         seen = []
         real = eng.drafter.draft_model.runner.run
 
-        def spy(plan):
+        def spy(plan, **kw):
             seen.append(plan.num_tokens)
-            return real(plan)
+            return real(plan, **kw)
 
         eng.drafter.draft_model.runner.run = spy
         (toks, _, fin), = run_requests(eng, [Request(long, greedy(30, ignore_eos=True))])

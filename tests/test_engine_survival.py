@@ -79,11 +79,13 @@ def test_a_row_that_breaks_the_batched_sampler_ends_only_its_request(eng, monkey
             raise RuntimeError("injected sampler fault")
         return real(logits, states, ahead)
 
-    # every draw goes through sample_async: sample() (the row-by-row retry,
-    # steps with drafts) and the pipelined decode step, which calls it directly
+    # every draw of a step with a sampled row goes through sample_async:
+    # sample() (the row-by-row retry, steps with drafts) and the pipelined
+    # decode step, which calls it directly (a step of greedy rows only has
+    # its head choose their tokens: no sampler)
     monkeypatch.setattr(sampler_mod, "sample_async", faulty)
     monkeypatch.setattr(engine_mod, "sample_async", faulty)
-    bad = Request([5, 6, 7], greedy(4, seed=666, ignore_eos=True))
+    bad = Request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.7, seed=666, ignore_eos=True))
     results = run_all(eng, [good(), bad, good()])
     assert_survived(eng, results, 1, caplog, "injected sampler fault")
     assert eng.allocator.num_free == eng.allocator.num_blocks  # the failed request freed its blocks
@@ -109,7 +111,7 @@ def test_model_failure_stops_the_engine_and_logs_its_cause(model, caplog):
     caplog.set_level(logging.ERROR, "mlxfast.engine")
     e = Engine(model, ToyTokenizer(), EngineConfig(num_blocks=64, block_size=8)).start()
     try:
-        def boom(plan):
+        def boom(plan, **kw):
             raise RuntimeError("kernel exploded")
         e.runner.run = boom
         (_, _, fin), = run_all(e, [good()])

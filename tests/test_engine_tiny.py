@@ -144,7 +144,7 @@ def test_errors_overload_and_too_long(model):
 def test_engine_death_fails_requests_and_submits(model):
     eng = engine(model)
 
-    def boom(plan):
+    def boom(plan, **kw):
         raise RuntimeError("kernel exploded")
     eng.runner.run = boom
 

@@ -43,6 +43,9 @@ class EngineConfig:
     # Build each plain decode step while the one before it evaluates
     # (Scheduler.plan_ahead; vLLM's --async-scheduling)
     async_scheduling: bool = True
+    # A step whose sampled rows are all plain greedy has the head choose their
+    # tokens (ops.quantized_argmax: the same tokens, most fp32 logits skipped)
+    head_choice: bool = True
     # Attention path: None = native kernel where available, else MLX reference
     native_attention: bool | None = None
     # SSD tier of the prefix cache (kv/ssd.py); None = off

@@ -52,6 +52,7 @@ class DraftModel:
         self.pool = KVPool(model.kv_layers, num_blocks, block_size, kv_dtype, release=False)
         self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_cache=False)
         self.runner = Runner(model, self.pool, native=native)
+        model.prepare_head_choice()  # its forwards take the head's greedy choice
         # This step's forwards, (tokens fed, seconds, steady): the engine's
         # Drafter.step_done takes their time out of the target's step and
         # prices the steady ones (no row fed more than STEADY_GAP tokens; a
@@ -112,7 +113,7 @@ class DraftModel:
         drafting = rows  # in the order of the plan's sampled rows
         while drafting:
             t0 = time.perf_counter()
-            tokens = mx.argmax(self.runner.run(plan).sample.astype(mx.float32), axis=-1).tolist()
+            tokens = self.runner.run(plan, argmax=True).tokens.tolist()
             self.forwards.append((plan.num_tokens, time.perf_counter() - t0, steady))
             steady = True  # the later forwards feed one token a row
             more, live = [], []

@@ -41,7 +41,8 @@ from .config import EngineConfig
 from .metrics import RequestMetrics
 from .output import OutputProcessor
 from .runner import Runner
-from .sampler import Sampled, SamplingState, sample, sample_async, score_tokens
+from .sampler import (Sampled, SamplingState, chosen, head_choice_ok, sample, sample_async,
+                      score_tokens)
 from .scheduler import Scheduler, Seq
 from .spec import Drafter, RowSpec, check_draft_model, speculation_allowed
 
@@ -328,6 +329,8 @@ class Engine:
             else:
                 self.ranks = [{"rank": 0, "param_bytes": own[0], "kv_bytes": own[1], "pid": os.getpid()}]
             self.runner = Runner(self.model, self.pool, native=cfg.native_attention, channel=self.channel)
+            if cfg.head_choice and self.channel is None:
+                self.model.prepare_head_choice()
             if self.config.spec_kind:
                 draft = None
                 if self.config.draft_model is not None:
@@ -519,15 +522,15 @@ class Engine:
             self.connector.save_evicted()  # before this step overwrites blocks the schedule evicted
             if not plan.rows:
                 raise RuntimeError("scheduler produced an empty step with work pending")
-            logits = self.runner.run(plan)
+            logits = self.runner.run(plan, argmax=self._head_chooses(plan))
             host = time.perf_counter() - t0
         for row, scores in logits.scores:
             self._score_prompt(row, scores)
         rows = plan.sample_rows
         if rows and not any(r.draft for r in rows) and self._can_pipeline():
-            results = self._sample_pipelined(plan, logits.sample)
+            results = self._sample_pipelined(plan, logits)
         else:
-            results = self._verify(logits.sample, rows) if rows else []
+            results = self._verify(logits, plan) if rows else []
         t1 = time.perf_counter()
         if self.drafter is not None:  # what a step costs, for choosing the drafts worth verifying
             self.drafter.step_done(plan.num_tokens, t1 - t0)
@@ -573,6 +576,13 @@ class Engine:
         if host is not None and self.drafter is not None and self._ahead is None:
             self.drafter.host_done(host + time.perf_counter() - t1)
 
+    def _head_chooses(self, plan) -> bool:
+        """Whether the step's head may choose its tokens (every sampled row
+        greedy and reading nothing else from its logits: ``head_choice_ok``)."""
+        rows = plan.sample_rows
+        return (self.config.head_choice and bool(rows)
+                and all(head_choice_ok(r.seq.data.sampling) for r in rows))
+
     def _can_pipeline(self) -> bool:
         """Whether the next step may be built while this one evaluates
         (``Scheduler.plan_ahead`` decides which steps can): not with drafts
@@ -585,7 +595,7 @@ class Engine:
                 and not (self._incoming and not self.scheduler.batch_full()) and not self._stopping
                 and (self.drafter is None or self.drafter.may_build_ahead()))
 
-    def _sample_pipelined(self, plan, logits) -> list[list[Sampled]]:
+    def _sample_pipelined(self, plan, step) -> list[list[Sampled]]:
         """Sample a plain decode step and, while its draw evaluates, build the
         next step on the drawn tokens (vLLM's async scheduling); the next
         step is queued once this one's tokens are known (queued earlier, its
@@ -593,11 +603,11 @@ class Engine:
         work on them (update, output, events) overlaps its evaluation."""
         rows = plan.sample_rows
         states = [r.seq.data.sampling for r in rows]
+        logits = step.sample
         try:
-            pending = sample_async(logits, states)
-        except Exception:  # noqa: BLE001  (a row's processing: _sample finds it)
-            return [[s] for s in self._sample(logits, states, [0] * len(rows),
-                                              [r.seq.request_id for r in rows])]
+            pending = chosen(step.tokens, states) if step.tokens is not None else sample_async(logits, states)
+        except Exception as e:  # noqa: BLE001  (a row's processing: _sample finds it)
+            return self._draw_failed(e, plan, logits, states)
         pool = self.pool.scheme
         before = pool.arrays()  # what the pools were, should the draw fail
         nxt = self.scheduler.plan_ahead(plan)
@@ -606,14 +616,13 @@ class Engine:
             where = {r.seq: i for i, r in enumerate(rows)}
             idx = [where[r.seq] for r in nxt.rows]
             tokens = pending.tokens if len(idx) == len(rows) else pending.tokens[mx.array(idx)]
-            nxt_logits = self.runner.run(nxt, inputs=tokens)
+            nxt_logits = self.runner.run(nxt, inputs=tokens, argmax=self._head_chooses(nxt))
         try:
             flat = pending.collect()
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             if nxt is not None:  # drop the next step (unevaluated): the pools as they were;
                 pool.restore(before)  # its rows keep the blocks it grew, as their next step would
-            return [[s] for s in self._sample(logits, states, [0] * len(rows),
-                                              [r.seq.request_id for r in rows])]
+            return self._draw_failed(e, plan, logits, states)
         if self.drafter is not None:  # score this step's proposals against its tokens
             for r, res in zip(rows, flat):
                 if r.seq.data.spec is not None:
@@ -624,10 +633,23 @@ class Engine:
                 self.num_steps_dropped += 1
         del before
         if nxt is not None:
-            mx.async_eval(nxt_logits.sample, *pool.arrays())
+            mx.async_eval(*(a for a in (nxt_logits.sample, nxt_logits.tokens) if a is not None),
+                          *pool.arrays())
             self._ahead = (nxt, nxt_logits)
             self.num_steps_ahead += 1
         return [[s] for s in flat]
+
+    def _draw_failed(self, e, plan, logits, states) -> list[list[Sampled]]:
+        """A plain step's draw failed: each row sampled alone (``_sample``);
+        where the head chose the tokens, from the step's logits computed again
+        (its KV writes are the same values)."""
+        rows = plan.sample_rows
+        if logits is None:
+            log.error("the step's greedy choice failed (%s: %s); computing its logits",
+                      type(e).__name__, e)
+            logits = self.runner.run(plan).sample
+        return [[s] for s in self._sample(logits, states, [0] * len(rows),
+                                          [r.seq.request_id for r in rows])]
 
     def _score_prompt(self, row, logits) -> None:
         seq, st = row.seq, row.seq.data
@@ -635,7 +657,7 @@ class Engine:
         del st.prompt_lps[row.start:]  # preempted while scoring: it starts over
         st.prompt_lps += score_tokens(logits, targets, st.request.params.prompt_logprobs)
 
-    def _verify(self, logits, rows) -> list[list[Sampled]]:
+    def _verify(self, step, plan) -> list[list[Sampled]]:
         """Per sampled row: its next token, sampled as without speculation,
         preceded by the drafts that sampling reproduces. The row's logits at
         its last known token and at each draft are sampled in one call, each
@@ -645,6 +667,7 @@ class Engine:
         speculative sampling with a deterministic proposal (accept with p(d),
         else draw from the rest of p), so the output is the target's, token
         for token under a seed."""
+        rows = plan.sample_rows
         states, ahead, names, at = [], [], [], []  # at: where each position's logits are
         forced: dict[int, list[Sampled]] = {}  # a grammar row's drafts: the tokens it forces
         counts = []  # positions sampled per row
@@ -653,7 +676,7 @@ class Engine:
             n = 1 + len(r.draft)
             first = 0
             if r.draft and r.seq.data.spec.forced:
-                forced[k] = self._forced(logits[i:i + len(r.draft)], r)
+                forced[k] = self._forced(step.sample[i:i + len(r.draft)], r)
                 first = len(r.draft)  # only the position after them is sampled ...
                 if forced[k][0].error is None and r.seq.data.sampling.matcher.is_stopped():
                     first = n  # ... unless the forced tokens end the grammar: the answer ends there
@@ -664,9 +687,17 @@ class Engine:
                 at.append(i + j)
             counts.append(n - first)
             i += n
-        if len(at) < i:
-            logits = logits[mx.array(at, dtype=mx.int32)]
-        flat = self._sample(logits, states, ahead, names) if at else []
+        flat = None
+        if step.tokens is not None:  # the head's choice (no grammar rows: every position sampled)
+            try:
+                flat = [Sampled(int(t)) for t in step.tokens.tolist()]
+            except Exception as e:  # noqa: BLE001  (as a failed draw: from the logits, row by row)
+                log.error("the step's greedy choice failed (%s: %s); computing its logits",
+                          type(e).__name__, e)
+                step = self.runner.run(plan)
+        if flat is None:
+            logits = step.sample if len(at) == i else step.sample[mx.array(at, dtype=mx.int32)]
+            flat = self._sample(logits, states, ahead, names) if at else []
         out, i = [], 0
         for k, r in enumerate(rows):
             res = forced.get(k, []) + flat[i:i + counts[k]]

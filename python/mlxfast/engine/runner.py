@@ -7,6 +7,9 @@ are computed only for rows that sample (the last token of each sequence
 whose chunk reaches its end, and each draft token after it) and, for a sequence that scores its prompt
 (``Seq.score_prompt``), for each position of its chunk that predicts a
 prompt token: at most one chunk's worth of vocabulary rows per such row.
+A step whose sampled rows are all greedy and read nothing else from their
+logits (``sampler.head_choice_ok``) asks the head for its choice instead
+(``argmax=True``): the same tokens, most logits never computed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class StepLogits:
     # (row, logits [m, V]): positions row.start .. row.start + m - 1, which
     # predict prompt tokens row.start + 1 .. row.start + m
     scores: list[tuple[Row, mx.array]] = field(default_factory=list)
+    # [as sample's rows] uint32 (lazy): the head's greedy choice, in place of
+    # ``sample``, when the step asked for it (Runner.run(argmax=True))
+    tokens: mx.array | None = None
 
 
 class Runner:
@@ -40,10 +46,14 @@ class Runner:
         # the other ranks, which run the same call on their shards.
         self.channel = channel
 
-    def run(self, plan: StepPlan, inputs: mx.array | None = None) -> StepLogits:
+    def run(self, plan: StepPlan, inputs: mx.array | None = None,
+            argmax: bool = False) -> StepLogits:
         """The step's logits (lazy). With none to compute, the KV writes are
         evaluated here. ``inputs`` (``[T]`` ids, lazy) stands for the rows'
-        tokens when they are still being sampled (``Scheduler.plan_ahead``)."""
+        tokens when they are still being sampled (``Scheduler.plan_ahead``).
+        ``argmax``: the sampled rows' greedy choice too (``StepLogits.tokens``),
+        which the head computes in place of their logits unless the step
+        scores a prompt or runs tensor-parallel (the argmax of the logits then)."""
         tokens: list[int] = []
         seqs: list[SeqSlice] = []
         logit_rows: list[int] = []
@@ -73,14 +83,20 @@ class Runner:
         elif not logit_rows:
             self.model(x, ctx, logit_rows=mx.array([0], dtype=mx.int32))
             mx.eval(self.pool.arrays())
+        elif argmax and sample_at and not scored:
+            rows = mx.array(logit_rows, dtype=mx.int32)
+            return StepLogits(None, tokens=self.model(x, ctx, logit_rows=rows, argmax=True))
         else:
             logits = self.model(x, ctx, logit_rows=mx.array(logit_rows, dtype=mx.int32))
         if not logit_rows:
             return StepLogits(None)
         if not scored:
-            return StepLogits(logits)
-        sample = logits[mx.array(sample_at, dtype=mx.int32)] if sample_at else None
-        return StepLogits(sample, [(r, logits[i:i + m]) for r, i, m in scored])
+            sample, scores = logits, []
+        else:
+            sample = logits[mx.array(sample_at, dtype=mx.int32)] if sample_at else None
+            scores = [(r, logits[i:i + m]) for r, i, m in scored]
+        tokens = mx.argmax(sample, axis=-1) if argmax and sample is not None else None
+        return StepLogits(sample, scores, tokens)
 
     def _run_parallel(self, tokens, seqs, x, ctx, logit_rows):
         """The step on every rank: its inputs broadcast, then the model call

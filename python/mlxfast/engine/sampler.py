@@ -100,6 +100,17 @@ class Sampled:
     error: str | None = None  # this row failed (e.g. its grammar); the request ends
 
 
+def head_choice_ok(state: SamplingState) -> bool:
+    """Whether each token of this request is the argmax of the raw logits
+    (greedy, no processing, stop tokens never banned) and nothing else is
+    read from them (no logprobs): then the model's head may compute that
+    choice itself (``Runner.run(argmax=True)``, ``chosen``)."""
+    p = state.params
+    return (p.temperature <= 0 and p.repetition_penalty == 1 and not p.presence_penalty
+            and not p.frequency_penalty and not p.logit_bias and state.matcher is None
+            and not (p.min_tokens and state.stop_ids) and not p.logprobs and not p.top_logprobs)
+
+
 def row_key(seed: int, step: int) -> tuple[int, int]:
     d = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
@@ -190,6 +201,13 @@ def sample_async(logits: mx.array, states: list[SamplingState],
             outs += [top_idx, mx.take_along_axis(raw_lp, top_idx, axis=-1)]
     mx.async_eval(*outs)
     return PendingSample(states, errors, outs, want_lp, k_top)
+
+
+def chosen(tokens: mx.array, states: list[SamplingState]) -> "PendingSample":
+    """``sample_async`` for a step whose head chose its rows' tokens
+    (``head_choice_ok`` rows: the argmax ``choose`` would take)."""
+    mx.async_eval(tokens)
+    return PendingSample(states, [None] * len(states), [tokens], False, 0)
 
 
 @dataclass(eq=False)

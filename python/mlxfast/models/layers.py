@@ -51,6 +51,10 @@ class Linear(nn.Module):
             return residual + _add_bias(ops.dense_matmul(x, w, norm=norm, act=act), bias)
         return _add_bias(ops.dense_matmul(x, w, norm=norm, act=act, residual=residual), bias)
 
+    def argmax(self, x: mx.array, *, norm=None) -> mx.array:
+        """``mx.argmax(self(x, norm=norm), axis=-1)`` (an output head's greedy choice)."""
+        return mx.argmax(self(x, norm=norm), axis=-1)
+
 
 # How the quantized projections treat their activations: "fp32" (the
 # default, exact: x as it is) or "int8" (opt-in: x quantized to int8 per 32
@@ -98,6 +102,35 @@ class QuantizedLinear(nn.Module):
         return _add_bias(ops.quantized_matmul(
             x, w, scales, biases, group_size=self.group_size, bits=self.bits, norm=norm, act=act,
             residual=residual, activations=self.activations), bias)
+
+
+    def argmax(self, x: mx.array, *, norm=None) -> mx.array:
+        """``mx.argmax(self(x, norm=norm), axis=-1)``, the same tokens (an
+        output head's greedy choice; see :func:`quantized_head_argmax`)."""
+        if "bias" in self or self.activations != "fp32":
+            return mx.argmax(self(x, norm=norm), axis=-1)
+        return quantized_head_argmax(self, x, norm)
+
+
+def quantized_head_argmax(layer, x: mx.array, norm) -> mx.array:
+    """The argmax over a quantized output head's logits of ``norm(x)``
+    (``ops.quantized_argmax``: most logits never computed in fp32 where the
+    CPU runs it natively; elsewhere the full head's argmax). Its error
+    bounds are built on first use and kept with the layer (rebuilt should
+    its weights change)."""
+    w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+    norm = _norm_args(norm)
+    bounds = None
+    if ops.has_native_quantized_argmax(x, w, layer.bits, norm):
+        cached = layer.__dict__.get("_argmax_bounds")
+        if cached is None or cached[0] is not w:
+            # Not a parameter (it is derived, and saved models must not carry it).
+            cached = (w, ops.argmax_bounds(w, scales, biases, group_size=layer.group_size,
+                                           bits=layer.bits))
+            object.__setattr__(layer, "_argmax_bounds", cached)
+        bounds = cached[1]
+    return ops.quantized_argmax(x, w, scales, biases, bounds, group_size=layer.group_size,
+                                bits=layer.bits, norm=norm)
 
 
 # The CPU paths with kernels for the row-interleaved layout (elsewhere the
@@ -261,6 +294,10 @@ class Embedding(nn.Module):
         :class:`RMSNorm`, fused into the matmul)."""
         return ops.dense_matmul(x, self["weight"], norm=_norm_args(norm))
 
+    def argmax(self, x: mx.array, *, norm=None) -> mx.array:
+        """``mx.argmax(self.as_linear(x, norm=norm), axis=-1)``."""
+        return mx.argmax(self.as_linear(x, norm=norm), axis=-1)
+
 
 class QuantizedEmbedding(nn.Module):
     def __init__(self, num: int, dims: int, group_size: int, bits: int):
@@ -283,6 +320,13 @@ class QuantizedEmbedding(nn.Module):
         return ops.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
                                     group_size=self.group_size, bits=self.bits,
                                     norm=_norm_args(norm), activations=self.activations)
+
+    def argmax(self, x: mx.array, *, norm=None) -> mx.array:
+        """``mx.argmax(self.as_linear(x, norm=norm), axis=-1)``, the same
+        tokens (see :func:`quantized_head_argmax`)."""
+        if self.activations != "fp32":
+            return mx.argmax(self.as_linear(x, norm=norm), axis=-1)
+        return quantized_head_argmax(self, x, norm)
 
 
 def set_matmul_activations(model: nn.Module, mode: str) -> int:

@@ -199,6 +199,10 @@ class Model(nn.Module):
 
     ``logit_rows`` (an int32 array of flat row indices into B*L) restricts the
     output head to those positions, e.g. the last token of each prefill.
+    ``argmax=True`` returns the greedy choice at those positions instead
+    (uint32, ``mx.argmax`` of the logits: the same tokens, ties and all), which
+    a quantized head computes without most of its fp32 logits
+    (``layers.quantized_head_argmax``).
     """
 
     # What a family built on this one may change: its decoder layer, a scale
@@ -222,7 +226,8 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
-    def __call__(self, tokens: mx.array, cache, logit_rows: mx.array | None = None) -> mx.array:
+    def __call__(self, tokens: mx.array, cache, logit_rows: mx.array | None = None,
+                 argmax: bool = False) -> mx.array:
         body = self["model"]
         embed, norm = body["embed_tokens"], body["norm"]
         h = embed(tokens)
@@ -239,12 +244,30 @@ class Model(nn.Module):
         if logit_rows is not None:
             h = h.reshape(-1, h.shape[-1])[logit_rows]
         # The final norm runs inside the head's matmul (after the row gather).
-        if self.args.tie_word_embeddings:
-            logits = embed.as_linear(h, norm=norm)
-        else:
-            logits = self["lm_head"](h, norm=norm)
+        head = self.output_head
         cap = self.logit_softcap
-        return logits if cap is None else mx.tanh(logits / cap) * cap
+        if argmax and cap is None and hasattr(head, "argmax"):
+            return head.argmax(h, norm=norm)
+        logits = head.as_linear(h, norm=norm) if head is embed else head(h, norm=norm)
+        if cap is not None:  # (the cap can round distinct logits to ties: the argmax comes after it)
+            logits = mx.tanh(logits / cap) * cap
+        return mx.argmax(logits, axis=-1) if argmax else logits
+
+    @property
+    def output_head(self):
+        """The layer computing the logits: ``lm_head``, or the tied embedding."""
+        return self["model"]["embed_tokens"] if self.args.tie_word_embeddings else self["lm_head"]
+
+    def prepare_head_choice(self) -> None:
+        """Build what the head's greedy choice (``argmax=True``) needs now: a
+        quantized head's error bounds (``layers.quantized_head_argmax``), built
+        otherwise inside the first step that asks, whose time then prices
+        speculation's drafts (``engine/spec.py`` StepCost) as if every step of
+        its size were that slow."""
+        head = self.output_head
+        if self.compute_head and self.logit_softcap is None and hasattr(head, "argmax"):
+            x = mx.zeros((1, self.args.hidden_size), self.dtype)
+            mx.eval(head.argmax(x, norm=self["model"]["norm"]))
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections (after the weights are loaded)."""
