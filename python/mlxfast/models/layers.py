@@ -114,14 +114,18 @@ class QuantizedLinear(nn.Module):
 
 def quantized_head_argmax(layer, x: mx.array, norm) -> mx.array:
     """The argmax over a quantized output head's logits of ``norm(x)``
-    (``ops.quantized_argmax``: most logits never computed in fp32 where the
-    CPU runs it natively; elsewhere the full head's argmax). Its error
-    bounds are built on first use and kept with the layer (rebuilt should
-    its weights change)."""
+    (``ops.quantized_argmax``: most logits never computed in fp32, for two
+    or more rows where the CPU runs it natively; otherwise the full head's
+    argmax). Its error bounds are built on first use and kept with the
+    layer (rebuilt should its weights change)."""
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     norm = _norm_args(norm)
     bounds = None
-    if ops.has_native_quantized_argmax(x, w, layer.bits, norm):
+    # One row streams the head's weights either way, and the bounds add bytes
+    # (session 36, Zen 4, one row from DRAM: the default model's head 0.97x,
+    # a 1B's 0.85x); from two rows the int8 head's arithmetic wins (1B 1.17x
+    # at 2 rows, 2.05x at 8; the default model's 1.4x and 2.1x).
+    if x.size > x.shape[-1] and ops.has_native_quantized_argmax(x, w, layer.bits, norm):
         cached = layer.__dict__.get("_argmax_bounds")
         if cached is None or cached[0] is not w:
             # Not a parameter (it is derived, and saved models must not carry it).

@@ -266,7 +266,7 @@ class Model(nn.Module):
         its size were that slow."""
         head = self.output_head
         if self.compute_head and self.logit_softcap is None and hasattr(head, "argmax"):
-            x = mx.zeros((1, self.args.hidden_size), self.dtype)
+            x = mx.zeros((2, self.args.hidden_size), self.dtype)  # (one row takes the full head)
             mx.eval(head.argmax(x, norm=self["model"]["norm"]))
 
     def fuse_projections(self) -> None:
