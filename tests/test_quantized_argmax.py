@@ -178,20 +178,29 @@ def test_validation_errors(rows16_path):
         _ext.quantized_argmax(x, w, s, b, bounds, group_size=32, bits=2)
 
 
-@pytest.fixture(scope="module")
-def default_model():
+@pytest.fixture(scope="module", params=["default", "gemma3"])
+def real_model(request):
+    """The default model (tied 8-bit head, 49152 rows) and Gemma 3 270M
+    (tied 8-bit head, 262144 rows): installed by `make test`; missing must
+    fail, not skip."""
     import mlxfast
-    return mlxfast.load()  # installed by `make test`; missing must fail, not skip
+    if request.param == "default":
+        return mlxfast.load()
+    return mlxfast.load(request.getfixturevalue("gemma3_gguf"))
 
 
-def test_engine_greedy_tokens_are_the_same_with_and_without_the_heads_choice(default_model):
+def test_engine_greedy_tokens_are_the_same_with_and_without_the_heads_choice(real_model):
     """Eight greedy streams, plain and with prompt lookup: the same tokens
     whether the head chooses them or the sampler takes the logits' argmax."""
     from mlxfast.engine.api import Request, SamplingParams, TokenEvent
     from mlxfast.engine.config import EngineConfig
     from mlxfast.engine.engine import Engine
 
-    model, tok = default_model
+    model, tok = real_model
+    head = model.output_head
+    x = mx.zeros((2, model.args.hidden_size), model.dtype)
+    native = ops.has_native_quantized_argmax(x, head["weight"], head.bits, (model.model.norm.weight, 1e-6))
+    assert native == (ops.cpu_path() in ("avx2", "avx512"))  # where it runs, this checks it
     prompts = [tok.encode(f"def f{i}(x):\n    return x * {i} + 1\n\n# again: def f{i}(x):")
                for i in range(8)]
 
