@@ -64,6 +64,49 @@ def test_matches_the_full_heads_argmax(rows16_path, bits, gs, symmetric, sdtype,
     assert_same(x, w, s, b, bounds, gs, bits, norm)
 
 
+@pytest.mark.parametrize("xdtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("M", [2, 9, 40])
+def test_half_precision_heads_compare_their_rounded_logits(rows16_path, xdtype, M):
+    # Logits rounded to 8 (bfloat16) or 11 (float16) significant bits tie
+    # often: the first of the rows that round to the best value wins.
+    gs, bits = 32, 4
+    w, s, b, bounds = make_head(16 * 64, 256, bits, gs, mx.bfloat16, seed=20 + M)
+    mx.random.seed(30 + M)
+    x = (mx.random.normal((M, 256)) * 4).astype(xdtype)
+    want = assert_same(x, w, s, b, bounds, gs, bits)
+    assert assert_same(x, w, s, b, bounds, gs, bits, (mx.ones((256,), xdtype), 1e-5)) is not None
+    y = ops.quantized_matmul(x, w, s, b, group_size=gs, bits=bits)
+    assert y.dtype == xdtype and want.tolist() == mx.argmax(y, axis=-1).tolist()
+
+
+def test_a_bfloat16_tie_below_the_screens_threshold_still_wins(rows16_path):
+    """Rows 0 and 16 round to the same bfloat16 logit; row 0 (the first,
+    MLX's choice) is below row 16 in fp32 and, with these activations'
+    int8 rounding, its upper bound is below row 16's lower one: only the
+    screen's widening by bfloat16's ulp keeps it (without it: 16)."""
+    N, K, gs, bits = 32, 32, 32, 8
+    x = np.random.default_rng(0).uniform(0.5, 1.0, (1, K)).astype(np.float32)
+    x[0, 0] = 1.0
+    x = mx.array(x).astype(mx.bfloat16)
+    xf = np.array(x.astype(mx.float32))[0]
+    r = np.rint(xf * 127) - xf * 127  # int8 rounding: row 0 reads x rounded down, row 16 up
+    codes = np.full((N, K), 128)
+    codes[0, np.where(r < -0.3)[0]] = 181
+    codes[16, np.where(r > 0.3)[0]] = 166
+    s = mx.full((N, 1), 0.0625, dtype=mx.float16)
+    w, s, _ = ops.pack_rows16(pack_codes(codes, bits), s, None)
+    bounds = ops.argmax_bounds(w, s, None, group_size=gs, bits=bits)
+    y = ops.quantized_matmul(x, w, s, None, group_size=gs, bits=bits)
+    y32 = ops.quantized_matmul(x.astype(mx.float32), w, s, None, group_size=gs, bits=bits)
+    y8 = ops.quantized_matmul(x.astype(mx.float32), w, s, None, group_size=gs, bits=bits,
+                              activations="int8")
+    e = (mx.abs(x.astype(mx.float32)).max() / 127
+         * ops.unpack_rows16(bounds, bounds, None)[0].astype(mx.float32)[:, 0])
+    assert y[0, 0].item() == y[0, 16].item() and y32[0, 0].item() < y32[0, 16].item()
+    assert (y8[0, 0] + e[0]).item() < (y8[0, 16] - e[16]).item()
+    assert assert_same(x, w, s, None, bounds, gs, bits).tolist() == [0]
+
+
 def test_exact_ties_take_the_first_index(rows16_path):
     # Every row repeats one of 8 patterns: each logit ties with copies of it
     # in other lanes and blocks; the argmax is the first copy of the best.
@@ -170,8 +213,8 @@ def test_validation_errors(rows16_path):
         _ext.quantized_argmax(x, w, s, b, bounds[:2], group_size=32, bits=8)
     with pytest.raises(ValueError, match="bounds must be float16"):
         _ext.quantized_argmax(x, w, s, b, bounds.astype(mx.float32), group_size=32, bits=8)
-    with pytest.raises(ValueError, match="float32"):
-        _ext.quantized_argmax(x.astype(mx.float16), w, s, b, bounds, group_size=32, bits=8)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        _ext.quantized_argmax(x.astype(mx.int32), w, s, b, bounds, group_size=32, bits=8)
     with pytest.raises(ValueError, match="row-interleaved"):
         _ext.quantized_argmax(mx.random.normal((2, 32)), w, s, b, bounds, group_size=32, bits=8)
     with pytest.raises(ValueError, match="bits"):

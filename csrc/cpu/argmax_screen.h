@@ -21,8 +21,9 @@ struct Screen {
 };
 
 // 16-row blocks [b0, b1): with e = (sum_b d[m][b] c[n][b]) (1 + 2^-10) +
-// |y| 2^-20 (the bound, widened for its own fp32 rounding), hi[m][blk] =
-// max of y + e over the block (NaN where some y, e or y +- e there is not
+// |y| 2^-20 + 2^-96 (the bound, widened for its own fp32 rounding, and for
+// x below 2^-102, whose products the fp32 kernels round), hi[m][blk] = max
+// of y + e over the block (NaN where some y, e or y +- e there is not
 // finite) and lo[m] = max of y - e over the blocks.
 void bound_avx512(const Screen& s, int64_t b0, int64_t b1, float* lo);
 void bound_avx2(const Screen& s, int64_t b0, int64_t b1, float* lo);

@@ -23,6 +23,7 @@ inline float hmax(__m256 v) {
 void bound_avx2(const Screen& s, int64_t b0, int64_t b1, float* lo) {
   const int64_t N = s.N, NB = s.N / 16, nb = s.nb, M = s.M;
   const __m256 widen = _mm256_set1_ps(1.0f + 0x1p-10f), rel = _mm256_set1_ps(0x1p-20f);
+  const __m256 tiny = _mm256_set1_ps(0x1p-96f);
   const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
   constexpr int64_t kTile = 64;  // blocks whose coefficients (~37 KB at K = 576) stay in L2
   __m256 lmax[kMaxRows];
@@ -45,7 +46,7 @@ void bound_avx2(const Screen& s, int64_t b0, int64_t b1, float* lo) {
         for (int half = 0; half < 2; ++half) {
           const __m256 y = _mm256_loadu_ps(yp + 8 * half);
           const __m256 ev = _mm256_fmadd_ps(e[half], widen,
-                                            _mm256_mul_ps(_mm256_andnot_ps(sign, y), rel));
+                                            _mm256_fmadd_ps(_mm256_andnot_ps(sign, y), rel, tiny));
           const __m256 l = _mm256_sub_ps(y, ev), h = _mm256_add_ps(y, ev);
           z = _mm256_add_ps(z, _mm256_mul_ps(_mm256_sub_ps(h, l), zero));  // 0 where finite
           hmx = _mm256_max_ps(hmx, h);

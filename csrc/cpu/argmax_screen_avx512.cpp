@@ -12,6 +12,7 @@ namespace argmax_screen {
 void bound_avx512(const Screen& s, int64_t b0, int64_t b1, float* lo) {
   const int64_t N = s.N, NB = s.N / 16, nb = s.nb, M = s.M;
   const __m512 widen = _mm512_set1_ps(1.0f + 0x1p-10f), rel = _mm512_set1_ps(0x1p-20f);
+  const __m512 tiny = _mm512_set1_ps(0x1p-96f);
   const __m512 zero = _mm512_setzero_ps();
   constexpr int64_t kTile = 64;  // blocks whose coefficients (~37 KB at K = 576) stay in L2
   __m512 lmax[kMaxRows];
@@ -29,7 +30,7 @@ void bound_avx512(const Screen& s, int64_t b0, int64_t b1, float* lo) {
           e = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), cv, e);
         }
         const __m512 y = _mm512_loadu_ps(s.y + m * N + blk * 16);
-        e = _mm512_fmadd_ps(e, widen, _mm512_mul_ps(_mm512_abs_ps(y), rel));
+        e = _mm512_fmadd_ps(e, widen, _mm512_fmadd_ps(_mm512_abs_ps(y), rel, tiny));
         const __m512 l = _mm512_sub_ps(y, e), h = _mm512_add_ps(y, e);
         const __m512 z = _mm512_mul_ps(_mm512_sub_ps(h, l), zero);  // 0 where finite, else NaN
         const bool finite = _mm512_cmp_ps_mask(z, z, _CMP_ORD_Q) == 0xFFFF;

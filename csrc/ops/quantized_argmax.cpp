@@ -25,7 +25,7 @@ namespace {
 
 const char* kOp = "quantized_argmax";
 
-thread_local Scratch tl_normed, tl_logits, tl_small, tl_gathered;
+thread_local Scratch tl_normed, tl_logits, tl_small, tl_gathered, tl_xf;
 
 // MLX's argmax of one row: the first NaN, else the first maximum.
 uint32_t mlx_argmax(const float* v, int64_t n) {
@@ -78,21 +78,25 @@ void screen_bound(CpuPath path, const argmax_screen::Screen& s, int64_t b0, int6
 // qmm::kRows16InvariantMaxRows) and MLX's argmax of each.
 void argmax_full(const qmm::Args& a, const int64_t* rows, int64_t count, uint32_t* out,
                  CpuPath path) {
-  const int64_t K = a.K, N = a.N;
-  const float* x = static_cast<const float*>(a.x);
+  const int64_t K = a.K, N = a.N, es = qmm::dtype_size(a.x_dtype);
+  const char* x = static_cast<const char*>(a.x);
   for (int64_t r0 = 0; r0 < count; r0 += qmm::kRows16InvariantMaxRows) {
     const int64_t n = count - r0 < qmm::kRows16InvariantMaxRows ? count - r0
                                                                  : qmm::kRows16InvariantMaxRows;
-    float* xs = tl_gathered.get(static_cast<size_t>(n * K));
-    for (int64_t i = 0; i < n; ++i) std::memcpy(xs + i * K, x + rows[r0 + i] * K, sizeof(float) * K);
-    float* y = tl_logits.get(static_cast<size_t>(n * N));
+    char* xs = reinterpret_cast<char*>(tl_gathered.get(static_cast<size_t>(n * K)));
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xs + i * K * es, x + rows[r0 + i] * K * es, K * es);
+    float* y = tl_logits.get(static_cast<size_t>(n * N + N));
+    float* row = y + n * N;  // a row of y as floats
     qmm::Args f = a;
     f.x = xs;
     f.M = n;
     f.out = y;
     f.int8_acts = false;
     run_qmm(f, path);
-    for (int64_t i = 0; i < n; ++i) out[rows[r0 + i]] = mlx_argmax(y + i * N, N);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < N; ++j) row[j] = qmm::load_f32(y, a.x_dtype, i * N + j);
+      out[rows[r0 + i]] = mlx_argmax(row, N);
+    }
   }
 }
 
@@ -107,8 +111,8 @@ bool argmax_screened(const qmm::Args& a, int64_t m, const float* hi, float thr, 
   gemv_pieces(path, prepare, block);
   qmm::Args r = a;
   r.M = 1;
-  r.x = static_cast<const float*>(a.x) + m * a.K;
-  float* y = tl_row.get(static_cast<size_t>(a.N));
+  r.x = static_cast<const char*>(a.x) + m * a.K * qmm::dtype_size(a.x_dtype);
+  void* y = tl_row.get(static_cast<size_t>(a.N));
   r.out = y;
   float* xp = tl_xp.get(qmm::gemv_prep_floats(r));
   prepare(r, xp);
@@ -118,9 +122,10 @@ bool argmax_screened(const qmm::Args& a, int64_t m, const float* hi, float thr, 
     if (!(hi[blk] >= thr)) continue;
     block(r, xp, blk * 16, blk * 16 + 16);
     for (int64_t n = blk * 16; n < blk * 16 + 16; ++n) {
-      if (!std::isfinite(y[n])) return false;
-      if (idx < 0 || y[n] > best) {  // in order: the first maximum wins
-        best = y[n];
+      const float v = qmm::load_f32(y, a.x_dtype, n);  // as rounded to the head's dtype
+      if (!std::isfinite(v)) return false;
+      if (idx < 0 || v > best) {  // in order: the first maximum wins
+        best = v;
         idx = n;
       }
     }
@@ -130,7 +135,8 @@ bool argmax_screened(const qmm::Args& a, int64_t m, const float* hi, float thr, 
   return true;
 }
 
-// The primitive's work on the encoder's thread; a.x is the (normed) fp32 x.
+// The primitive's work on the encoder's thread; a.x is the (normed) x in
+// a.x_dtype, the head's logits' dtype.
 void argmax_task(const qmm::Args& a, const uint16_t* bounds, uint32_t* out, CpuPath path) {
   const int64_t M = a.M, N = a.N, K = a.K, NB = N / 16, nb = K / qmm::kActBlock;
   std::vector<int64_t> full;
@@ -145,11 +151,19 @@ void argmax_task(const qmm::Args& a, const uint16_t* bounds, uint32_t* out, CpuP
   float* d = tl_small.get(static_cast<size_t>(M * nb + M * NB + P * M));
   float* hi = d + M * nb;
   float* lo_part = hi + M * NB;  // per thread's share of the blocks, per row
+  // In float32 (exactly x's values): the int8 logits unrounded.
+  const float* x = static_cast<const float*>(a.x);
+  if (a.x_dtype != qmm::F32) {
+    float* xf = tl_xf.get(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = qmm::load_f32(a.x, a.x_dtype, i);
+    x = xf;
+  }
   qmm::Args i8 = a;
+  i8.x = x;
+  i8.x_dtype = qmm::F32;
   i8.int8_acts = true;
   i8.out = y;
   run_qmm(i8, path);
-  const float* x = static_cast<const float*>(a.x);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       float amax = 0.0f;  // as qmm's quantize_block
@@ -167,14 +181,22 @@ void argmax_task(const qmm::Args& a, const uint16_t* bounds, uint32_t* out, CpuP
       screen_bound(path, sc, NB * t / P, NB * (t + 1) / P, lo_part + t * M);
     }
   });
-  // 3. Per row, the blocks that reach its threshold in fp32.
+  // 3. Per row, the blocks that reach its threshold in fp32. Logits rounded
+  // to a half type tie with the best where they round to its value: within
+  // its ulp (< 2^-7 or 2^-10 of it, at least 2^-24 near 0) below it.
+  const float rel = a.x_dtype == qmm::BF16 ? 0x1p-6f : a.x_dtype == qmm::F16 ? 0x1p-9f : 0.0f;
+  const float abs_ulp = a.x_dtype == qmm::F32 ? 0.0f : 0x1p-23f;
   std::vector<char> ok(M, 0);
   parallel_for(M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      float thr = -INFINITY;
+      float thr = -INFINITY, best_hi = -INFINITY;
       bool finite = true;
       for (int64_t p = 0; p < P; ++p) thr = std::fmax(thr, lo_part[p * M + m]);
-      for (int64_t blk = 0; blk < NB; ++blk) finite &= !std::isnan(hi[m * NB + blk]);
+      for (int64_t blk = 0; blk < NB; ++blk) {
+        finite &= !std::isnan(hi[m * NB + blk]);
+        best_hi = std::fmax(best_hi, hi[m * NB + blk]);
+      }
+      thr -= rel * std::fmax(std::fabs(thr), std::fabs(best_hi)) + abs_ulp;
       ok[m] = finite && std::isfinite(thr) && argmax_screened(a, m, hi + m * NB, thr, path, out + m);
     }
   });
@@ -186,13 +208,17 @@ void argmax_task(const qmm::Args& a, const uint16_t* bounds, uint32_t* out, CpuP
   tl_gathered.trim(qmm::kKeepScratchFloats);
 }
 
+qmm::DType to_qmm(mx::Dtype dt) {
+  return dt == mx::float32 ? qmm::F32 : dt == mx::float16 ? qmm::F16 : qmm::BF16;
+}
+
 bool rows16_int8_path(CpuPath path) {
   return path == CpuPath::Avx2 || path == CpuPath::Avx512;
 }
 
 } // namespace
 
-mx::array quantized_argmax(const mx::array& x, const mx::array& w, const mx::array& scales,
+mx::array quantized_argmax(const mx::array& x_in, const mx::array& w, const mx::array& scales,
                            const std::optional<mx::array>& biases, const mx::array& bounds,
                            int group_size, int bits, const std::optional<mx::array>& norm_weight,
                            float eps, mx::StreamOrDevice s) {
@@ -200,7 +226,12 @@ mx::array quantized_argmax(const mx::array& x, const mx::array& w, const mx::arr
     fail(kOp, std::string("needs the avx2 or avx512 CPU path, this one is ") +
                   cpu_path_name(cpu_path()) + ".");
   }
-  if (x.dtype() != mx::float32 || x.ndim() < 1) fail(kOp, "x must be float32 [..., K].");
+  if (!is_float(x_in.dtype()) || x_in.ndim() < 1) {
+    fail(kOp, "x must be float32, float16 or bfloat16 [..., K].");
+  }
+  auto stream = mx::to_stream(s);
+  // With a norm, x in the dtype the norm gives (the head's logits' dtype), as quantized_matmul.
+  const mx::array x = norm_weight ? rms_norm_input(kOp, "norm ", x_in, *norm_weight, eps, stream) : x_in;
   if (bits != 4 && bits != 8) fail(kOp, "bits must be 4 or 8, got " + std::to_string(bits) + ".");
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     fail(kOp, "group_size must be 32, 64 or 128, got " + std::to_string(group_size) + ".");
@@ -222,11 +253,6 @@ mx::array quantized_argmax(const mx::array& x, const mx::array& w, const mx::arr
       bounds.shape() != mx::Shape{w.shape(0), static_cast<int>(K / 32), 16}) {
     fail(kOp, "bounds must be float16 [N / 16, K / 32, 16] (ops.argmax_bounds).");
   }
-  if (norm_weight && (norm_weight->dtype() != mx::float32 || norm_weight->shape() != mx::Shape{
-                                                                  static_cast<int>(K)})) {
-    fail(kOp, "norm weight must be float32 [K].");
-  }
-  auto stream = mx::to_stream(s);
   std::vector<mx::array> inputs = {x, w, scales, biases ? *biases : scales, bounds};
   if (norm_weight) inputs.push_back(*norm_weight);
   mx::Shape out_shape(x.shape().begin(), x.shape().end() - 1);
@@ -261,10 +287,8 @@ void QuantizedArgmax::eval_cpu(const std::vector<mx::array>& inputs,
   a.M = static_cast<int64_t>(out.size());
   a.group_size = group_size_;
   a.bits = bits_;
-  a.x_dtype = qmm::F32;
-  a.s_dtype = inputs[2].dtype() == mx::float32   ? qmm::F32
-              : inputs[2].dtype() == mx::float16 ? qmm::F16
-                                                 : qmm::BF16;
+  a.x_dtype = to_qmm(x.dtype());
+  a.s_dtype = to_qmm(inputs[2].dtype());
   if (a.M == 0) return;
   const uint16_t* bounds = inputs[4].data<uint16_t>();
   uint32_t* o = out.data<uint32_t>();
@@ -273,13 +297,14 @@ void QuantizedArgmax::eval_cpu(const std::vector<mx::array>& inputs,
   const bool norm = norm_;
   const float eps = eps_;
   const CpuPath path = cpu_path();
-  enc.dispatch([a, xin, nin, norm, eps, bounds, o, path]() mutable {
+  const mx::Dtype xt = x.dtype(), nt = norm_ ? inputs[5].dtype() : mx::float32;
+  enc.dispatch([a, xin, nin, norm, eps, bounds, o, path, xt, nt]() mutable {
     xin.pack();
     nin.pack();
     a.x = xin.data;
-    if (norm) {
-      float* buf = tl_normed.get(static_cast<size_t>(a.M * a.K));
-      rms_norm_rows(mx::float32, xin.data, mx::float32, nin.data, buf, a.M, a.K, eps);
+    if (norm) {  // the norm's own kernel, as quantized_matmul's prologue
+      void* buf = tl_normed.get(static_cast<size_t>(a.M * a.K));
+      rms_norm_rows(xt, xin.data, nt, nin.data, buf, a.M, a.K, eps);
       a.x = buf;
     }
     argmax_task(a, bounds, o, path);

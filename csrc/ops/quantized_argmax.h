@@ -28,12 +28,15 @@ namespace mlxfast {
 
 namespace mx = mlx::core;
 
-// x: [..., K] float32; w: row-interleaved [N / 16, K * bits / 32, 16] uint32
-// (ops.pack_rows16), bits 4 or 8; scales, biases as for quantized_matmul
-// (biases absent: symmetric); bounds: [N / 16, K / 32, 16] float16; norm_weight [K]
-// float32 (optional: the head's final norm, fused as quantized_matmul's).
-// Returns [...] uint32. Needs a CPU path with the rows16 int8 kernels
-// (AVX2 or AVX-512): ops.quantized_argmax checks.
+// x: [..., K] float32, float16 or bfloat16; w: row-interleaved
+// [N / 16, K * bits / 32, 16] uint32 (ops.pack_rows16), bits 4 or 8;
+// scales, biases as for quantized_matmul (biases absent: symmetric);
+// bounds: [N / 16, K / 32, 16] float16; norm_weight [K] (optional: the
+// head's final norm, fused as quantized_matmul's, x then in the promoted
+// dtype). The logits compared are the head's, rounded to that dtype (a half
+// type's ties widen the screen by its ulp). Returns [...] uint32. Needs a
+// CPU path with the rows16 int8 kernels (AVX2 or AVX-512):
+// ops.quantized_argmax checks.
 mx::array quantized_argmax(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const std::optional<mx::array>& biases, const mx::array& bounds,
                            int group_size, int bits, const std::optional<mx::array>& norm_weight,

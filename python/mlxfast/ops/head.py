@@ -9,7 +9,9 @@ whose int8 logit plus a rigorous error bound (``argmax_bounds``) is below
 the best int8 logit minus its bound, and computes the 16-row blocks left
 (a few dozen of the default model's 3,072) with the fp32 kernel the full
 head runs: their logits are the same bits, so the argmax is the one of the
-full head, ties and all. Elsewhere it is that argmax of the full head.
+full head, ties and all (a float16 or bfloat16 head's logits rounded as
+it rounds them: the screen is widened by their ulp). Elsewhere it is that
+argmax of the full head.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ def argmax_bounds(w: mx.array, scales: mx.array, biases: mx.array | None, *, gro
     value (plus its rounding, 2^-12 d_b here), so the int8 logit (exact
     integer sums) is within d_b / 2 * sum_b |w| of the one of x, and each
     path's fp32 rounding is at most gamma(n) times the sum of its terms'
-    magnitudes, which for either kernel's arithmetic (scale * sum(q x) +
-    bias * sum(x) per group) is at most 127 d_b * (|scale| sum(q) + 32 |bias|)
-    per block. Rounded up to float16 (a tiny absolute floor for values
-    below its normal range). ``biases`` None: symmetric. w in either
+    magnitudes (Higham), n the roundings a term passes through: in the fp32
+    rows16 kernels' form (per group: two FMA chains over its values,
+    ``scale * sum(q x) + bias * sum(x)`` added to the output, one group
+    after another) at most group size + groups + 8, in the int8 kernels'
+    (two FMAs a 32-value block, one block after another) 2 K / 32 + 8; in
+    both the terms' magnitudes are at most 127 d_b * (|scale| sum(q) +
+    32 |bias|) per block. Rounded up to float16 (a tiny absolute floor for
+    values below its normal range). ``biases`` None: symmetric. w in either
     layout; c is row-interleaved as ``pack_rows16`` lays scales out,
     ``[N / 16, K / 32, 16]`` (a 16-row block's bounds are one vector)."""
     w, scales, biases = unpack_rows16(w, scales, biases)
@@ -49,7 +55,7 @@ def argmax_bounds(w: mx.array, scales: mx.array, biases: mx.array | None, *, gro
     K = G * group_size
     if K % ACT_BLOCK:
         raise ValueError(f"[mlxfast.argmax_bounds] K={K} is not a multiple of {ACT_BLOCK}.")
-    kappa = 2 * 127 * (_gamma(2 * K + 8) + _gamma(K // ACT_BLOCK + 8))
+    kappa = 2 * 127 * (_gamma(group_size + G + 8) + _gamma(2 * K // ACT_BLOCK + 8))
     chunks = []
     for n0 in range(0, N, rows_per_chunk):
         n1 = min(N, n0 + rows_per_chunk)
@@ -74,11 +80,10 @@ def argmax_bounds(w: mx.array, scales: mx.array, biases: mx.array | None, *, gro
 def has_native_quantized_argmax(x: mx.array, w: mx.array, bits: int, norm=None,
                                 stream=None) -> bool:
     """Whether ``quantized_argmax`` runs its native primitive for these
-    arguments: the CPU's AVX2 or AVX-512 path, float32 x (and norm weight),
-    a row-interleaved (``pack_rows16``) 4- or 8-bit w."""
+    arguments: the CPU's AVX2 or AVX-512 path, a row-interleaved
+    (``pack_rows16``) 4- or 8-bit w (x float32, float16 or bfloat16)."""
     return (dispatch.on_cpu(stream) and dispatch.cpu_path() in ("avx2", "avx512")
-            and x.dtype == mx.float32 and w.ndim == 3 and bits in (4, 8)
-            and (norm is None or norm[0].dtype == mx.float32))
+            and w.ndim == 3 and bits in (4, 8))
 
 
 def quantized_argmax(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
