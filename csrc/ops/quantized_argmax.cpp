@@ -6,12 +6,13 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/cpu_eval.h"
 #include "common/cpu_features.h"
 #include "common/dense_input.h"
 #include "common/op_checks.h"
 #include "common/scratch.h"
-#include "common/thread_pool.h"
 #include "common/parallel.h"
+#include "common/thread_pool.h"
 #include "cpu/argmax_screen.h"
 #include "cpu/qmm.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -24,6 +25,8 @@ namespace mlxfast {
 namespace {
 
 const char* kOp = "quantized_argmax";
+static_assert(argmax_screen::kMaxRows == qmm::kRows16InvariantMaxRows,
+              "the screen takes the calls whose rows the fp32 kernel computes alike");
 
 thread_local Scratch tl_normed, tl_logits, tl_small, tl_gathered, tl_xf;
 
@@ -73,30 +76,27 @@ void screen_bound(CpuPath path, const argmax_screen::Screen& s, int64_t b0, int6
 #endif
 }
 
-// The fp32 head for the rows listed in `rows` (each row's logits as the
-// full head computes them: a row's result does not depend on the call, see
-// qmm::kRows16InvariantMaxRows) and MLX's argmax of each.
+// The fp32 head for the rows listed in `rows`, in one call as the full head
+// computes them (up to kRows16InvariantMaxRows rows a row's result does not
+// depend on the call; above, every row of the call is listed), and MLX's
+// argmax of each.
 void argmax_full(const qmm::Args& a, const int64_t* rows, int64_t count, uint32_t* out,
                  CpuPath path) {
   const int64_t K = a.K, N = a.N, es = qmm::dtype_size(a.x_dtype);
   const char* x = static_cast<const char*>(a.x);
-  for (int64_t r0 = 0; r0 < count; r0 += qmm::kRows16InvariantMaxRows) {
-    const int64_t n = count - r0 < qmm::kRows16InvariantMaxRows ? count - r0
-                                                                 : qmm::kRows16InvariantMaxRows;
-    char* xs = reinterpret_cast<char*>(tl_gathered.get(static_cast<size_t>(n * K)));
-    for (int64_t i = 0; i < n; ++i) std::memcpy(xs + i * K * es, x + rows[r0 + i] * K * es, K * es);
-    float* y = tl_logits.get(static_cast<size_t>(n * N + N));
-    float* row = y + n * N;  // a row of y as floats
-    qmm::Args f = a;
-    f.x = xs;
-    f.M = n;
-    f.out = y;
-    f.int8_acts = false;
-    run_qmm(f, path);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < N; ++j) row[j] = qmm::load_f32(y, a.x_dtype, i * N + j);
-      out[rows[r0 + i]] = mlx_argmax(row, N);
-    }
+  char* xs = reinterpret_cast<char*>(tl_gathered.get(static_cast<size_t>(count * K)));
+  for (int64_t i = 0; i < count; ++i) std::memcpy(xs + i * K * es, x + rows[i] * K * es, K * es);
+  float* y = tl_logits.get(static_cast<size_t>(count * N + N));
+  float* row = y + count * N;  // a row of y as floats
+  qmm::Args f = a;
+  f.x = xs;
+  f.M = count;
+  f.out = y;
+  f.int8_acts = false;
+  run_qmm(f, path);
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t j = 0; j < N; ++j) row[j] = qmm::load_f32(y, a.x_dtype, i * N + j);
+    out[rows[i]] = mlx_argmax(row, N);
   }
 }
 
@@ -140,9 +140,11 @@ bool argmax_screened(const qmm::Args& a, int64_t m, const float* hi, float thr, 
 void argmax_task(const qmm::Args& a, const uint16_t* bounds, uint32_t* out, CpuPath path) {
   const int64_t M = a.M, N = a.N, K = a.K, NB = N / 16, nb = K / qmm::kActBlock;
   std::vector<int64_t> full;
-  if (M > argmax_screen::kMaxRows) {
+  if (M > argmax_screen::kMaxRows) {  // the fp32 kernel's arithmetic depends on the call here
     for (int64_t m = 0; m < M; ++m) full.push_back(m);
     argmax_full(a, full.data(), M, out, path);
+    tl_logits.trim(qmm::kKeepScratchFloats);
+    tl_gathered.trim(qmm::kKeepScratchFloats);
     return;
   }
   // 1. The int8 logits, and each row's activation scales.
@@ -271,10 +273,7 @@ void QuantizedArgmax::eval_cpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) enc.set_input_array(in);
-  enc.set_output_array(out);
+  auto& enc = begin_eval(stream(), inputs, outputs);
   qmm::Args a;
   a.x = nullptr;  // set in the task (packed, normed)
   a.w = inputs[1].data<uint32_t>();
