@@ -103,7 +103,6 @@ class QuantizedLinear(nn.Module):
             x, w, scales, biases, group_size=self.group_size, bits=self.bits, norm=norm, act=act,
             residual=residual, activations=self.activations), bias)
 
-
     def argmax(self, x: mx.array, *, norm=None) -> mx.array:
         """``mx.argmax(self(x, norm=norm), axis=-1)``, the same tokens (an
         output head's greedy choice; see :func:`quantized_head_argmax`)."""
