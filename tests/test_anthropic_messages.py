@@ -52,6 +52,8 @@ def test_max_tokens_and_stop_sequence(anthropic_client):
     m = create(anthropic_client, max_tokens=8, stop_sequences=[word])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == word
     assert word not in m.content[0].text and full.startswith(m.content[0].text)
+    with pytest.raises(anthropic.BadRequestError, match="stop sequences must not be empty"):
+        create(anthropic_client, stop_sequences=[word, ""])  # as OpenAI's stop [""]: refused, not ignored
 
 
 def test_stream_accumulates_to_final_message(anthropic_client):

@@ -28,3 +28,16 @@ def test_the_default_tokenizer_compiles_a_schema():
     model, tok = mlxfast.load()
     matcher = GrammarCompiler(tok, model.args.vocab_size).json_schema(SCHEMA)()
     assert not matcher.is_error()
+
+
+def test_a_schema_error_keeps_its_detail():
+    """The compiler's multi-line messages (a regex error quotes the pattern,
+    points at it with carets, then says what is wrong) reach the 400 whole,
+    on one line: it said only "regex parse error:"."""
+    model, tok = mlxfast.load()
+    with pytest.raises(APIError) as e:
+        GrammarCompiler(tok, model.args.vocab_size).json_schema({"type": "string", "maxLength": 10 ** 12})
+    msg = e.value.message
+    assert e.value.status == 400 and "\n" not in msg and "^" not in msg
+    head, _, detail = msg.partition("regex parse error:")
+    assert "1000000000000" in detail and detail.strip().split()[-1] != "error:", msg

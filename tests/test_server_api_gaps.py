@@ -65,6 +65,7 @@ def test_stream_options_without_stream_is_refused(server, path, extra):
         r = httpx.post(server.url + path, headers=server.headers, json=body, timeout=60)
         assert r.status_code == 400, r.text
         assert "stream_options" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "stream_options"
 
 
 def test_models_retrieve_answers_every_served_name(openai_client, server):
@@ -340,6 +341,7 @@ def test_min_tokens_keeps_eos_and_stop_strings_off_until_it(server):
     assert late["usage"]["completion_tokens"] >= 6 and len(late["choices"][0]["message"]["content"]) > 1
     r = chat(server, max_tokens=5, min_tokens=6)
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "min_tokens"
 
 
 def test_include_stop_str_in_output(server, openai_client):

@@ -49,3 +49,18 @@ def test_forced_call_with_markup_in_arguments_streamed(openai_client):
     assert list(names) == [0] and list(args) == [0]
     assert_python_call(names[0], args[0])
     assert "<tool_call>" not in "".join(content)
+
+
+def test_tool_markup_that_is_no_call_comes_back_as_text(openai_client):
+    """The model writes the start marker as prose and stops without an end
+    marker: the whole text is the answer (it was dropped from the marker on,
+    with finish "stop"), streamed or not."""
+    text = "Use the <tool_call> tag to call tools."
+    req = dict(model="default", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+               max_tokens=50, temperature=0, extra_body={"guided_regex": r"Use the <tool_call> tag to call tools\."})
+    r = openai_client.chat.completions.create(**req)
+    assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       openai_client.chat.completions.create(**req, stream=True) if c.choices)
+    assert streamed == text

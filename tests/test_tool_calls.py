@@ -293,6 +293,36 @@ def test_closed_but_invalid_call_is_text_and_not_flagged(family, raw):
         assert not p.unfinished_call
 
 
+@pytest.mark.parametrize("family,raw", [
+    ("hermes", "Use the <tool_call> tag to call tools."),
+    ("hermes", "Hello <tool_call>\nnot json"),
+    ("hermes", 'Hello <tool_call>\n{"foo": 1}'),
+    ("mistral", "Write [TOOL_CALLS] then the calls."),
+    ("mistral", "[TOOL_CALLS] [1, 2"),
+])
+def test_unclosed_region_that_is_no_call_is_text(family, raw):
+    """Output that ends inside a call region the parser already knows is no
+    call (not JSON, or JSON that is not a call) comes back whole: the marker
+    was the model's text, not markup (it was dropped, with finish "stop")."""
+    for pieces in ([raw], list(raw)):
+        p = tc.make_parser(family)
+        assert feed_pieces(p, pieces) == [tc.Text(raw)]
+        assert not p.unfinished_call
+
+
+@pytest.mark.parametrize("family,raw", [
+    ("hermes", 'Hi <tool_call>\n{"nam'),
+    ("hermes", "Hi <tool_call>\n"),
+    ("mistral", "Hi [TOOL_CALLS]get_wea"),
+    ("mistral", "Hi [TOOL_CALLS]get[AR"),
+])
+def test_region_cut_before_a_call_could_show_is_dropped_and_flagged(family, raw):
+    for pieces in ([raw], list(raw)):
+        p = tc.make_parser(family)
+        assert feed_pieces(p, pieces) == [tc.Text("Hi ")]
+        assert p.unfinished_call
+
+
 @pytest.mark.parametrize("family,raw,args", [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": }}</tool_call>', '{"a": }'),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1,}', '{"a": 1,}'),

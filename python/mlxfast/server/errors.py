@@ -102,7 +102,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     e = errors[0]
-    param = _loc(e.get("loc", ())) or None
+    param = _loc(e.get("loc", ())) or getattr((e.get("ctx") or {}).get("error"), "param", None)
     msg = e.get("msg", "invalid value")
     if e.get("type") == "json_invalid":
         return "request body is not valid JSON", None

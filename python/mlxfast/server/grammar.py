@@ -37,7 +37,7 @@ class GrammarCompiler:
                     self._lltok = e
             if isinstance(self._lltok, Exception):
                 raise bad_request(f"{param} cannot be enforced: the grammar engine cannot read this model's "
-                                  f"tokenizer ({_first_line(str(self._lltok))})", param=param)
+                                  f"tokenizer ({_one_line(str(self._lltok))})", param=param)
             return self._lltok
 
     def _eos_ids(self) -> list[int]:
@@ -64,7 +64,7 @@ class GrammarCompiler:
         lltok = self.lltok(param)
         err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if err and not err.startswith("WARNING"):
-            raise bad_request(f"{param} cannot be enforced: {_first_line(err)}", param=param)
+            raise bad_request(f"{param} cannot be enforced: {_one_line(err)}", param=param)
         probe = llguidance.LLMatcher(lltok, grammar, log_level=0)
         _probe(probe, param)
         unused = [probe]  # the probed matcher serves the first request
@@ -87,7 +87,7 @@ class GrammarCompiler:
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except (ValueError, TypeError, RecursionError) as e:
-            raise bad_request(f"{param} is not a JSON schema mlxfast can enforce: {_first_line(str(e))}",
+            raise bad_request(f"{param} is not a JSON schema mlxfast can enforce: {_one_line(str(e))}",
                               param) from None
         return self._factory(grammar, param)
 
@@ -106,7 +106,7 @@ class GrammarCompiler:
                 grammar = llguidance.LLMatcher.grammar_from_regex(value)
             except (ValueError, TypeError) as e:
                 raise bad_request(f"{param} is not a regular expression mlxfast can enforce: "
-                                  f"{_first_line(str(e))}", param) from None
+                                  f"{_one_line(str(e))}", param) from None
             return self._factory(grammar, param)
         if kind == "grammar":
             lark = _grammar_as_lark(value, param)
@@ -118,7 +118,7 @@ class GrammarCompiler:
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError) as e:
-            raise bad_request(f"{param} cannot be enforced: {_first_line(str(e))}", param) from None
+            raise bad_request(f"{param} cannot be enforced: {_one_line(str(e))}", param) from None
         return self._factory(grammar, param)
 
     def _marker(self, text: str, param: str) -> str:
@@ -174,7 +174,7 @@ class GrammarCompiler:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError, RecursionError) as e:
             raise bad_request(f"{param}: a tool's parameters (or {answer_param}) are not a JSON schema mlxfast "
-                              f"can enforce: {_first_line(str(e))}", param) from None
+                              f"can enforce: {_one_line(str(e))}", param) from None
         return self._factory(grammar, param)
 
 
@@ -263,8 +263,12 @@ def _hoisted_defs(params: dict, key: str) -> dict:
     return defs
 
 
-def _first_line(message: str) -> str:
-    return (message.strip().splitlines() or ["unknown error"])[0][:300]
+def _one_line(message: str) -> str:
+    """A compiler's message on one line: its lines joined, without the
+    caret lines that point into a quoted pattern (a regex error's detail
+    comes after them)."""
+    lines = [ln.strip() for ln in message.strip().splitlines()]
+    return " ".join(ln for ln in lines if ln.strip("^~ "))[:300] or "unknown error"
 
 
 # How far the probe walks a copy of a new matcher: the forced prefix (up to
@@ -281,7 +285,7 @@ def _probe(matcher, param: str) -> None:
 
     def check(m):
         if m.is_error():
-            raise bad_request(f"{param} cannot be enforced: {_first_line(m.get_error())} "
+            raise bad_request(f"{param} cannot be enforced: {_one_line(m.get_error())} "
                               "(a schema that refers to itself with no way to end, or one past "
                               "the grammar engine's limits)", param=param)
 

@@ -17,6 +17,15 @@ class _Model(BaseModel):
     model_config = _CFG
 
 
+class FieldError(ValueError):
+    """A check across fields that one field fails: the error names it
+    (``param``), as a field's own validator's does (errors.validation_message)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 # ---------------------------------------------------------------- OpenAI
 
 
@@ -140,7 +149,7 @@ class SamplingFields(SamplingKnobs):
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: allowed only when stream is true")
+            raise FieldError("stream_options", "allowed only when stream is true")
         return self
 
     @model_validator(mode="after")
@@ -149,7 +158,7 @@ class SamplingFields(SamplingKnobs):
                 or getattr(self, "max_completion_tokens", None) is not None:
             return self
         if self.n_predict == 0 and "messages" in type(self).model_fields:
-            raise ValueError("n_predict must be -1 or at least 1 on chat completions")
+            raise FieldError("n_predict", "must be -1 or at least 1 on chat completions")
         self.max_tokens = self.n_predict
         return self
 
@@ -158,7 +167,7 @@ class SamplingFields(SamplingKnobs):
         most = getattr(self, "max_completion_tokens", None)
         most = most if most is not None else self.max_tokens
         if self.min_tokens and most is not None and self.min_tokens > most:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({most})")
+            raise FieldError("min_tokens", f"{self.min_tokens} is more than max_tokens ({most})")
         return self
 
     @field_validator("stop")
@@ -279,6 +288,13 @@ class AnthropicRequest(_Model):
     output_config: Optional[AnthropicOutputConfig] = None
     output_format: Optional[AnthropicOutputFormat] = None  # the structured-outputs beta's name for it
 
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_sequences(cls, v):
+        if v and any(s == "" for s in v):  # as OpenAI's stop: an empty one would match everywhere
+            raise ValueError("stop sequences must not be empty")
+        return v
+
 
 class AnthropicCountRequest(_Model):
     model: str
@@ -373,5 +389,5 @@ class ResponsesRequest(SamplingKnobs):
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: allowed only when stream is true")
+            raise FieldError("stream_options", "allowed only when stream is true")
         return self

@@ -24,7 +24,9 @@ text: a call that started is a call, even if the output ends inside its
 arguments (then ``finish()`` ends it and sets ``parser.unfinished_call``).
 Output that ends inside call markup before the call could be recognised
 (``<tool_call>{"na``, cut off by max_tokens) gives neither a call nor text:
-markup never reaches the content (``unfinished_call`` is set).
+markup never reaches the content (``unfinished_call`` is set). A start marker
+that what follows it shows to be no call (``<tool_call> tag``: not JSON) is
+text, given back whole when the output ends without the region's end.
 A call in any other shape (``arguments`` before ``name``, arguments as a JSON
 string, OpenAI's ``{"function": ...}``) is read whole and comes out at its
 end; one that does not parse as a call is given back as its raw text.
@@ -437,8 +439,15 @@ class _RegionParser(ToolCallParser):
         if call is not None and self._end_call(call, out):
             return out
         if not self._calls_in_region:
+            if call is None and self._not_a_call(buf):  # the start marker was text, not markup
+                return [Text(self.START + buf)]
             self.unfinished_call = True
         return []  # what is left is markup (a cut end marker, a call cut before its name)
+
+    def _not_a_call(self, buf: str) -> bool:
+        """At the end of output, whether the open region (``buf``, after the
+        start marker) can no longer be read as a cut-off call."""
+        raise NotImplementedError
 
 
 class HermesParser(_RegionParser):
@@ -457,6 +466,9 @@ class HermesParser(_RegionParser):
 
     def _open_region(self) -> None:
         self._pos, self._junk = 0, False
+
+    def _not_a_call(self, buf: str) -> bool:
+        return self._junk
 
     def _read_region(self, out: list) -> bool:
         """Read the region on; True when it has ended (the buffer then holds what follows)."""
@@ -559,6 +571,8 @@ class Llama3JsonParser(ToolCallParser):
 
 # After [TOOL_CALLS]: a JSON array/object, or a name (and [ARGS]) then an object.
 _MISTRAL_HEAD = re.compile(r"\s*(?:([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)|(?=[\[{]))")
+# What a head cut off before its JSON looks like: a name, then part of [ARGS].
+_MISTRAL_HEAD_PREFIX = re.compile(r"\s*(?:[A-Za-z0-9_.\-]+\s*(?:\[(?:A(?:R(?:G(?:S\]?)?)?)?)?\s*)?)?")
 
 
 class MistralParser(_RegionParser):
@@ -577,6 +591,11 @@ class MistralParser(_RegionParser):
 
     def _open_region(self) -> None:
         self._form, self._junk = None, None
+
+    def _not_a_call(self, buf: str) -> bool:
+        if self._form is None:  # not even a head: text unless it may be one cut short
+            return not _MISTRAL_HEAD_PREFIX.fullmatch(buf)
+        return self._junk is not None
 
     def _read_region(self, out: list) -> bool:
         buf = self._buf
