@@ -65,6 +65,21 @@ def test_stream_accumulates_to_final_message(anthropic_client):
     assert final.stop_reason == solo.stop_reason and final.usage.output_tokens == solo.usage.output_tokens
 
 
+def test_stream_start_and_end_split_the_prompt_alike(anthropic_client):
+    """message_start's usage says the cache reads too (clients read the
+    prompt's split there): the same as message_delta's at the end. It said
+    every prompt token was read fresh."""
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
+    create(anthropic_client, msgs)  # its prefix is cached now
+    events = list(anthropic_client.messages.create(model="local", max_tokens=4, messages=msgs, stream=True,
+                                                   extra_body={"temperature": 0}))
+    start, delta = events[0], [e for e in events if e.type == "message_delta"][0]
+    assert start.type == "message_start"
+    first, last = start.message.usage, delta.usage
+    assert first.cache_read_input_tokens > 0
+    assert (first.input_tokens, first.cache_read_input_tokens) == (last.input_tokens, last.cache_read_input_tokens)
+
+
 def test_count_tokens(anthropic_client):
     n = anthropic_client.messages.count_tokens(model="local", messages=Q).input_tokens
     n_sys = anthropic_client.messages.count_tokens(model="local", messages=Q, system="Be brief.").input_tokens

@@ -81,6 +81,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
     prompt_logprobs: list[PromptLogprob | None] | None = None  # first event only (see above)
+    cached_tokens: int | None = None  # prompt tokens reused from the prefix cache (so far)
 
 
 @dataclass

@@ -775,7 +775,8 @@ class Engine:
             st.events.append(self._finish_event(seq, "stop", text=st.out.finish()))
             return
         text = st.out.add(u.token)
-        st.events.append(TokenEvent(u.token, text, res.logprob, res.top_logprobs))
+        st.events.append(TokenEvent(u.token, text, res.logprob, res.top_logprobs,
+                                    cached_tokens=seq.cached_tokens or 0))
         if st.out.stop_string is not None:
             end("stop", stop_string=st.out.stop_string)
         elif u.finish_reason is not None:

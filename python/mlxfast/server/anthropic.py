@@ -316,15 +316,28 @@ async def _stream(ereq, steps, model, n_prompt):
         open_type = None
         return out
 
-    try:
-        yield named_event("message_start", {"type": "message_start", "message": {
+    def message_start(step) -> bytes:
+        """The message's opening, with the prompt's cache reads as the
+        request's first event tells them (none known when a silence comes
+        first: a long queue or prefill)."""
+        ev = step.token or step.finish
+        cached = (ev.cached_tokens or 0) if ev is not None else 0
+        return named_event("message_start", {"type": "message_start", "message": {
             "id": ereq.request_id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": n_prompt, "output_tokens": 0,
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+            "usage": {"input_tokens": n_prompt - cached, "output_tokens": 0,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached},
         }})
-        yield named_event("ping", {"type": "ping"})
+
+    started = False
+    try:
         async for step in steps:
+            if not started:
+                started = True
+                yield message_start(step)
+                yield named_event("ping", {"type": "ping"})
+                if step.heartbeat:
+                    continue
             if step.heartbeat:
                 yield named_event("ping", {"type": "ping"})
                 continue
