@@ -308,6 +308,17 @@ def test_unclosed_region_that_is_no_call_is_text(family, raw):
         p = tc.make_parser(family)
         assert feed_pieces(p, pieces) == [tc.Text(raw)]
         assert not p.unfinished_call
+    # It streams: the marker goes out once the text after it shows no call,
+    # not at the end of the output.
+    p = tc.make_parser(family)
+    early = text(tc.assemble(p.feed(raw)))
+    assert early.startswith(raw[:raw.index(p.START) + len(p.START)]), early
+
+
+def test_text_after_a_marker_that_was_text_can_hold_a_call():
+    raw = 'Use <tool_call> tags: <tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
+    for pieces in ([raw], list(raw)):
+        assert feed_pieces(tc.make_parser("hermes"), pieces) == [tc.Text("Use <tool_call> tags: "), TIME]
 
 
 @pytest.mark.parametrize("family,raw", [

@@ -25,8 +25,9 @@ arguments (then ``finish()`` ends it and sets ``parser.unfinished_call``).
 Output that ends inside call markup before the call could be recognised
 (``<tool_call>{"na``, cut off by max_tokens) gives neither a call nor text:
 markup never reaches the content (``unfinished_call`` is set). A start marker
-that what follows it shows to be no call (``<tool_call> tag``: not JSON) is
-text, given back whole when the output ends without the region's end.
+that what follows shows to open no call (``<tool_call> tag``: not JSON, or
+JSON that is not a call) is text, given out as soon as that shows, and what
+follows it is read as text again.
 A call in any other shape (``arguments`` before ``name``, arguments as a JSON
 string, OpenAI's ``{"function": ...}``) is read whole and comes out at its
 end; one that does not parse as a call is given back as its raw text.
@@ -439,15 +440,15 @@ class _RegionParser(ToolCallParser):
         if call is not None and self._end_call(call, out):
             return out
         if not self._calls_in_region:
-            if call is None and self._not_a_call(buf):  # the start marker was text, not markup
-                return [Text(self.START + buf)]
             self.unfinished_call = True
         return []  # what is left is markup (a cut end marker, a call cut before its name)
 
-    def _not_a_call(self, buf: str) -> bool:
-        """At the end of output, whether the open region (``buf``, after the
-        start marker) can no longer be read as a cut-off call."""
-        raise NotImplementedError
+    def _not_a_region(self, out: list) -> bool:
+        """The open region holds no call and what follows the start marker
+        shows it can hold none: the marker was text. It goes out as text,
+        and what follows is read as text again (it may hold a real region)."""
+        out.append(Text(self.START))
+        return self._close_region(0)
 
 
 class HermesParser(_RegionParser):
@@ -467,9 +468,6 @@ class HermesParser(_RegionParser):
     def _open_region(self) -> None:
         self._pos, self._junk = 0, False
 
-    def _not_a_call(self, buf: str) -> bool:
-        return self._junk
-
     def _read_region(self, out: list) -> bool:
         """Read the region on; True when it has ended (the buffer then holds what follows)."""
         buf = self._buf
@@ -483,13 +481,13 @@ class HermesParser(_RegionParser):
                 else:
                     self._junk = True
                 self._call = None
-            if self._junk:  # to the end marker: the raw region comes back as text if it made no call
+            if self._junk and not self._calls_in_region:
+                return self._not_a_region(out)
+            if self._junk:  # after a call: the rest of the region, to its end marker, is dropped
                 k = buf.find(self.END, self._pos)
                 if k < 0:
                     self._pos = max(self._pos, len(buf) - len(self.END) + 1)
                     return False
-                if not self._calls_in_region:
-                    out.append(Text(self.START + buf[:k + len(self.END)]))
                 return self._close_region(k + len(self.END))
             i = self._pos = _skip(buf, self._pos, _SEPARATORS + "[]")
             if buf.startswith(self.END, i):
@@ -592,17 +590,12 @@ class MistralParser(_RegionParser):
     def _open_region(self) -> None:
         self._form, self._junk = None, None
 
-    def _not_a_call(self, buf: str) -> bool:
-        if self._form is None:  # not even a head: text unless it may be one cut short
-            return not _MISTRAL_HEAD_PREFIX.fullmatch(buf)
-        return self._junk is not None
-
     def _read_region(self, out: list) -> bool:
         buf = self._buf
         if self._form is None:
             head = _MISTRAL_HEAD.match(buf)
-            if head is None:
-                return False
+            if head is None:  # text, unless it may still grow into a head
+                return False if _MISTRAL_HEAD_PREFIX.fullmatch(buf) else self._not_a_region(out)
             name, at = head.group(1), head.end()
             if name is not None or buf[at] == "{":
                 self._form = "one"
@@ -621,14 +614,14 @@ class MistralParser(_RegionParser):
                 self._pos = call.end
                 if call.valid:
                     self._calls_in_region += 1
+                elif not self._calls_in_region:
+                    return self._not_a_region(out)
                 else:
                     self._junk = _JsonScanner(call.end, depth=1)
-            if self._junk is not None:  # to the array's end; the raw region is text if it made no call
+            if self._junk is not None:  # after a call: the rest of the array is dropped
                 end = self._junk.value_end(buf)
                 if end < 0:
                     return False
-                if not self._calls_in_region:
-                    out.append(Text(self.START + buf[:end]))
                 return self._close_region(end)
             i = self._pos = _skip(buf, self._pos, _WS + ",")
             if i >= len(buf):
@@ -637,6 +630,8 @@ class MistralParser(_RegionParser):
                 return self._close_region(i + 1)
             if buf[i] == "{":
                 self._call = _CallObject(i, self._n_calls)
+            elif not self._calls_in_region:
+                return self._not_a_region(out)
             else:
                 self._junk = _JsonScanner(i, depth=1)
 
