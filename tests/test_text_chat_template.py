@@ -158,6 +158,42 @@ def test_sandbox_blocks_escapes():
         render_chat_template(evil, [{"role": "user", "content": "x"}])
 
 
+HOSTILE = {  # template -> what stops it (each ran for hours or took gigabytes before)
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}": "characters",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}": "longer than",
+    "{% set c = messages[0].content %}{% for a in c %}{% for b in c %}{% endfor %}{% endfor %}": "longer than",
+    "{% macro f(n) %}{{ f(n) ~ f(n) }}{% endmacro %}{{ f(0) }}": "RecursionError",
+    "{{ 'ab ' * 3 * 10 ** 7 }}": "repeat",
+    "{{ 'x' * 10 ** 11 }}": "repeat",
+    "{{ 3 ** 100000 }}": "power",
+    "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}{{ ns.n }}": "bits",
+    "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}": "concatenation",
+    "{{ 'x'|center(10 ** 10) }}": "width or count",
+    "{{ 'x'.ljust(10 ** 10) }}": "width or count",
+    "{{ '%999999999d' % 1 }}": "format width",
+    "{{ '{:>999999999}'.format(1) }}": "format width",
+    "{{ '{:>{w}}'.format(1, w=10 ** 10) }}": "width or count",
+}
+
+
+@pytest.mark.parametrize("template", HOSTILE)
+def test_a_render_is_bounded_in_time_and_size(monkeypatch, template):
+    """Templates are untrusted code (a model file's): one that loops for
+    ever or builds a huge string fails as a template error, a 400, within
+    the render's bounds (made small here so the test is quick)."""
+    from mlxfast.text import chat_template as ct
+
+    monkeypatch.setattr(ct, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(ct, "MAX_CHARS", 1 << 20)
+    with pytest.raises(ValueError, match=HOSTILE[template]):  # TemplateBoundsError, or RecursionError as before
+        render_chat_template(template, [{"role": "user", "content": "y" * 20000}])
+    # the limits are per render: an honest template right after is unaffected
+    assert render_chat_template(GEMMA_TURNS, [{"role": "user", "content": "hi"}]) == "<user>hi"
+
+
+GEMMA_TURNS = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
 def test_strftime_now_and_generation_block():
     template = "{% generation %}{{ strftime_now('%Y') }}{% endgeneration %}"
     out = render_chat_template(template, [{"role": "user", "content": "x"}])

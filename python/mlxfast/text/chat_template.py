@@ -1,7 +1,13 @@
 """Chat templates rendered the way Hugging Face transformers renders them.
 
 Templates come from model files and are untrusted, so they run in jinja2's
-immutable sandbox. The environment matches transformers': ``trim_blocks`` and
+immutable sandbox, and a render is bounded: it may run for RENDER_SECONDS and
+build strings and lists of MAX_CHARS (the prompt included), and the numbers
+it gives filters and methods (widths, counts) are at most MAX_INT_ARG; past
+any of these it fails as a template error. Time is checked wherever a
+template can spend it: each loop's iterations (every ``for`` iterates
+through ``_bounded_iter``), calls, attribute and item lookups, operators and
+output. The environment matches transformers': ``trim_blocks`` and
 ``lstrip_blocks``, the loop-controls extension, a no-op ``{% generation %}``
 block, ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps
 non-ASCII text and accepts ``indent``/``separators``/``sort_keys``.
@@ -9,7 +15,12 @@ non-ASCII text and accepts ``indent``/``separators``/``sort_keys``.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import re
+import time
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -62,6 +73,117 @@ class _SafeNamespace(jinja2.utils.Namespace):
             )
 
 
+RENDER_SECONDS = 10.0
+MAX_CHARS = 16 << 20  # characters (or items) of the prompt, and of any string or list a template builds
+MAX_INT_ARG = 1 << 20  # a width, count or repeat a template gives a filter, method or format
+_deadline: ContextVar[float | None] = ContextVar("chat_template_deadline", default=None)
+_FORMAT_SPEC = re.compile(r"%[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+
+
+class _Bound(jinja2.exceptions.SecurityError):
+    pass
+
+
+class TemplateBoundsError(ValueError):
+    """A render that ran past its bounds (not worth a second try)."""
+
+
+def _limit(what: str):
+    return _Bound(f"chat template exceeds its bounds: {what}")
+
+
+def _check_time() -> None:
+    deadline = _deadline.get()
+    if deadline is not None and time.monotonic() > deadline:
+        raise _limit(f"it ran longer than {RENDER_SECONDS:g} s")
+
+
+def _check_ints(values) -> None:
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT_ARG:
+            raise _limit(f"a width or count of {v} (at most {MAX_INT_ARG})")
+
+
+def _size(x) -> int:
+    return len(x) if isinstance(x, (str, list, tuple)) else 0
+
+
+def _bounded_iter(seq):
+    """What a ``for`` loop iterates: ``seq``, its time checked every 256 items."""
+    if _deadline.get() is None or isinstance(seq, jinja2.Undefined):
+        return seq
+
+    def items():
+        for i, x in enumerate(seq):
+            if not i & 255:
+                _check_time()
+            yield x
+    return items()
+
+
+def _bounded_filter(f):
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marks
+    def g(*args, **kwargs):
+        _check_time()
+        _check_ints(itertools.chain(args, kwargs.values()))
+        return f(*args, **kwargs)
+    return g
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, bounded in time and size (see the module's doc)."""
+
+    # Not folded at compile time either: a constant 2 ** 10 ** 9 would stall the compile.
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context, operator, left, right):
+        _check_time()
+        if operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 64:
+                raise _limit(f"a power of {right}")
+        elif operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_CHARS:
+                    raise _limit(f"a repeat to {len(seq) * n} items")
+            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 4096:
+                raise _limit("a product of more than 4096 bits")
+        elif operator == "+":
+            if _size(left) + _size(right) > MAX_CHARS:
+                raise _limit(f"a concatenation of {_size(left) + _size(right)} items")
+        elif operator == "%" and isinstance(left, str):
+            if any(w.isdigit() and int(w) > MAX_INT_ARG for spec in _FORMAT_SPEC.findall(left) for w in spec):
+                raise _limit("a format width or precision over the bound")
+            _check_ints(right if isinstance(right, tuple) else (right,))
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
+        _check_time()
+        _check_ints(itertools.chain(args, kwargs.values()))
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):
+        """``str.format`` (its arguments are checked as a call's): no width
+        or precision of seven digits in the format string."""
+        fmt = super().wrap_str_format(value)
+        if fmt is not None and re.search(r"\d{7,}", value.__self__):
+            raise _limit("a format width or precision over the bound")
+        return fmt
+
+    def getattr(self, obj, attribute):
+        _check_time()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _check_time()
+        return super().getitem(obj, argument)
+
+    def _parse(self, source, name, filename):
+        tree = super()._parse(source, name, filename)
+        for node in tree.find_all(jinja2.nodes.For):
+            node.iter = jinja2.nodes.Filter(node.iter, "_bounded_iter", [], [], None, None, lineno=node.lineno)
+        return tree
+
+
 def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -81,12 +203,14 @@ def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template; a syntax error raises ``ValueError``."""
     if not isinstance(source, str) or not source:
         raise ValueError("chat template must be a non-empty string")
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
+    env.filters = {k: _bounded_filter(f) for k, f in env.filters.items()}
+    env.filters["_bounded_iter"] = _bounded_iter
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _SafeNamespace
@@ -181,15 +305,23 @@ def render_chat_template(
     ):
         raise ValueError("tools must be a list of JSON-schema dicts")
     compiled = compile_template(template)
+    token = _deadline.set(time.monotonic() + RENDER_SECONDS)
     try:
-        return compiled.render(
-            messages=_normalize_messages(messages),
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            **template_kwargs,
-        )
+        out, n = [], 0
+        for piece in compiled.generate(messages=_normalize_messages(messages), tools=tools,
+                                       add_generation_prompt=add_generation_prompt, **template_kwargs):
+            n += len(piece)
+            if n > MAX_CHARS:
+                raise _limit(f"a prompt of more than {MAX_CHARS} characters")
+            _check_time()
+            out.append(piece)
+        return "".join(out)
+    except _Bound as e:
+        raise TemplateBoundsError(str(e)) from None
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template error: {e.message or e}") from e
     except (TypeError, KeyError, AttributeError, IndexError, ValueError, OverflowError,
-            RecursionError) as e:
-        raise ValueError(f"chat template failed on these messages: {e}") from e
+            RecursionError, MemoryError) as e:
+        raise ValueError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+    finally:
+        _deadline.reset(token)

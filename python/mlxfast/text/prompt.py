@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from . import reasoning as reasoning_mod
 from . import tool_calls as tc
+from .chat_template import TemplateBoundsError
 
 
 @dataclass
@@ -174,6 +175,8 @@ def render_chat(
 
     try:
         text = render(msgs)
+    except TemplateBoundsError as e:
+        raise TemplateError(str(e)) from None
     except ValueError as e:
         # Many templates take a system message first only (Mistral's,
         # Gemma's raise otherwise): then every system message joins the first.
