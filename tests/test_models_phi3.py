@@ -449,3 +449,35 @@ def test_chat_template_and_end_of_turn_stop(chat_model):
     # raw text, no template: the same model goes on past <|end|> only if it
     # is not a stop; it is one for raw prompts too (the model's own template)
     assert generate(model, tok, "x\n", max_tokens=16, chat=False) == "OK"
+
+
+def test_convert_writes_only_a_new_or_empty_directory(tmp_path):
+    """A user's files are never replaced, and a link is never written
+    through: a non-empty directory, a file, or a broken link as the output
+    is refused before anything is written; an empty directory is taken."""
+    from mlxfast import cli
+    from mlxfast.convert import convert_gguf
+
+    path, *_ = _tiny_gguf(tmp_path, "longrope", Q.F32)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("mine")
+    outside = tmp_path / "outside.json"
+    outside.write_text("outside")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "config.json").symlink_to(outside)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    broken = tmp_path / "broken"
+    broken.symlink_to(tmp_path / "nowhere")
+    for out, why in ((mine, "not empty"), (linked, "not empty"), (a_file, "not a directory"),
+                     (broken, "broken link")):
+        with pytest.raises(ValueError, match=why):
+            convert_gguf(path, out)
+        assert cli.main(["convert", str(path), str(out)]) == 1  # one line, no traceback
+    assert (mine / "config.json").read_text() == "mine" and outside.read_text() == "outside"
+    assert not (tmp_path / "nowhere").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert read_hf_config(convert_gguf(path, empty))["model_type"] == "phi3"

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         print(f"mlxfast: error: {e}", file=sys.stderr)
         return 1
 

@@ -18,7 +18,8 @@ def convert_gguf(src: str | Path, out_dir: str | Path, dequantize: bool = False)
 
     src, out = Path(src), Path(out_dir)
     if not src.is_file():
-        raise FileNotFoundError(f"{src} does not exist")
+        raise FileNotFoundError(f"{src} does not exist" if not src.exists() else f"{src} is not a GGUF file")
+    _check_output_dir(out)
     tensors, meta = gguf.read_gguf(src)
     config = gguf.gguf_config(meta)
     weights, quantization = gguf.hf_weights(tensors, config)
@@ -39,6 +40,19 @@ def convert_gguf(src: str | Path, out_dir: str | Path, dequantize: bool = False)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_hf(out)
     return out
+
+
+def _check_output_dir(out: Path) -> None:
+    """The output is a new or empty directory, as mlx-lm's convert asks: a
+    user's config.json there was replaced, a stale shard left to break the
+    load, and a link in it written through (a file outside it replaced)."""
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"{out} is a broken link")
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"{out} exists and is not a directory")
+        if any(out.iterdir()):
+            raise ValueError(f"{out} is not empty: convert writes a new or empty directory")
 
 
 def _dequantized(weights: dict, group_size: int) -> dict:
