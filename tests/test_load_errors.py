@@ -111,3 +111,66 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     )
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _gguf_with(tmp_path, **over):
+    """A one-layer llama GGUF (random weights, no vocabulary) whose metadata
+    says ``over`` instead (the loads below fail before a vocabulary matters)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from tiny_gguf import write_tiny_gguf
+
+    config = {"num_hidden_layers": 1, "max_position_embeddings": 64, "hidden_size": 64,
+              "intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 32}
+    rng = np.random.default_rng(0)
+    p = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (32, 64), p + "input_layernorm.weight": (64,),
+              p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+              p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+              p + "post_attention_layernorm.weight": (64,), p + "mlp.gate_proj.weight": (32, 64),
+              p + "mlp.up_proj.weight": (32, 64), p + "mlp.down_proj.weight": (64, 32),
+              "model.norm.weight": (64,), "lm_head.weight": (32, 64)}
+    weights = {k: rng.normal(0, 0.02, s).astype(np.float32) for k, s in shapes.items()}
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, config, weights, GGMLQuantizationType.F32)
+    from gguf import GGUFReader
+
+    keys = {"num_hidden_layers": "llama.block_count", "num_attention_heads": "llama.attention.head_count",
+            "intermediate_size": "llama.feed_forward_length"}
+    reader = GGUFReader(path, "r+")  # the metadata edited in place, as a hostile file would say it
+    for k, v in over.items():
+        reader.fields[keys[k]].parts[-1][0] = v
+    del reader
+    return path
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"num_hidden_layers": 2 ** 31 - 1}, "not a plausible size"),  # the load looped for ever
+    ({"num_hidden_layers": 100000}, r"says 100000 layers, the weights hold 1"),  # 28 s and 3 GB, then an error
+    ({"num_attention_heads": 0}, "head_count = 0 is not a plausible size"),  # ZeroDivisionError
+    ({"intermediate_size": 2 ** 32 - 1}, "feed_forward_length = 4294967295 is not a plausible size"),
+])
+def test_gguf_sizes_the_file_does_not_back_are_refused_at_once(tmp_path, over, match):
+    from mlxfast.convert import convert_gguf
+
+    path = _gguf_with(tmp_path, **over)
+    with pytest.raises(ValueError, match=match):
+        mlxfast.load(path)
+    with pytest.raises(ValueError, match=match):  # convert wrote a config of that many layers
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: {**c, "num_hidden_layers": 10 ** 9}, r"says 1000000000 layers"),
+    (lambda c: [], "holds list, not a JSON object"),
+    (lambda c: None, "holds NoneType, not a JSON object"),
+    (lambda c: {**c, "hidden_size": "576"}, "cannot build a model from it|hidden_size"),
+])
+def test_hf_configs_that_cannot_be_a_model_are_one_clear_error(tmp_path, edit, match):
+    path = make_tiny_model(tmp_path / "m", "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(edit(cfg)))
+    with pytest.raises(ValueError, match=match):
+        mlxfast.load(path)

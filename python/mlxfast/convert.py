@@ -22,6 +22,7 @@ def convert_gguf(src: str | Path, out_dir: str | Path, dequantize: bool = False)
     _check_output_dir(out)
     tensors, meta = gguf.read_gguf(src)
     config = gguf.gguf_config(meta)
+    gguf.check_layer_count(config["num_hidden_layers"], tensors, str(src))
     weights, quantization = gguf.hf_weights(tensors, config)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     if quantization and dequantize:

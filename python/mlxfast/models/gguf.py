@@ -109,20 +109,34 @@ def gguf_config(meta: dict) -> dict:
     def get(name, default=None):
         return _scalar(meta, f"{arch}.{name}", default)
 
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = get("vocab_size")
+    def count(name, default=None, optional=False):
+        """A size or count: a whole number from 1 to 2^24 (0 where ``optional``)."""
+        v = get(name, default)
+        if v is None:
+            if optional:
+                return None
+            raise ValueError(f"{arch}.{name} is missing from the GGUF metadata")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) \
+                or not (0 if optional else 1) <= v <= 1 << 24:
+            raise ValueError(f"{arch}.{name} = {v!r} is not a plausible size")
+        return int(v)
+
+    n_heads = count("attention.head_count")
+    hidden = count("embedding_length")
+    vocab = count("vocab_size", optional=True)
     if vocab is None:
         vocab = len(meta.get("tokenizer.ggml.tokens", []))
-    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // n_heads
+    head_dim = (count("attention.key_length", optional=True) or count("rope.dimension_count", optional=True)
+                or hidden // n_heads)
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length") or 0),
+        "num_hidden_layers": count("block_count"),
+        "intermediate_size": (count("feed_forward_length", optional=True)
+                              or count("expert_feed_forward_length", optional=True) or 0),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "num_key_value_heads": count("attention.head_count_kv", n_heads),
         "head_dim": int(head_dim),
         "vocab_size": int(vocab),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -250,6 +264,18 @@ def _unpermute(w: mx.array, n_heads: int) -> mx.array:
         .swapaxes(1, 2)
         .reshape(rows, *rest)
     )
+
+
+def check_layer_count(n, names, source: str = "model") -> None:
+    """The config's layer count against the layers the weights hold (GGUF
+    ``blk.<i>.`` or HF ``.layers.<i>.`` names): a count the file does not
+    back (2^31 - 1 of them) made the load loop, or allocate, for ever."""
+    present = {int(m.group(1)) for name in names if (m := _LAYER_INDEX.search(name))}
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(present):
+        raise ValueError(f"{source}: the config says {n!r} layers, the weights hold {len(present)}")
+
+
+_LAYER_INDEX = re.compile(r"(?:^blk|\.layers)\.(\d+)\.")
 
 
 def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:

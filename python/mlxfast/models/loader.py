@@ -52,12 +52,16 @@ def load(path: str | Path | None = None, *, matmul_activations: str = "fp32"):
         set_matmul_activations(nn.Module(), matmul_activations)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    if path.is_dir():
-        model, tokenizer = load_hf_dir(path)
-    elif is_gguf(path):
-        model, tokenizer = load_gguf(path)
-    else:
-        model = None
+    try:
+        if path.is_dir():
+            model, tokenizer = load_hf_dir(path)
+        elif is_gguf(path):
+            model, tokenizer = load_gguf(path)
+        else:
+            model = None
+    except (TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError,
+            RecursionError, RuntimeError) as e:  # a config or file the checks did not foresee
+        raise ValueError(f"{path}: cannot build a model from it ({type(e).__name__}: {e})") from e
     if model is not None:
         set_matmul_activations(model, matmul_activations)  # and the layout (layers.pack_rows16)
         return model, tokenizer
@@ -70,6 +74,7 @@ def load(path: str | Path | None = None, *, matmul_activations: str = "fp32"):
 def load_gguf(path: Path):
     tensors, meta = gguf.read_gguf(path)
     config = gguf.gguf_config(meta)
+    gguf.check_layer_count(config["num_hidden_layers"], tensors, str(path))
     weights, quantization = gguf.hf_weights(tensors, config)
     model = build_model(config, weights, quantization, source=str(path))
     from ..text.tokenizer import Tokenizer
@@ -84,9 +89,12 @@ def read_hf_config(path: Path) -> dict:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
     try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path} holds {type(config).__name__}, not a JSON object")
+    return config
 
 
 def load_hf_dir(path: Path):
@@ -100,6 +108,7 @@ def load_hf_dir(path: Path):
             weights.update(mx.load(str(f)))
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"cannot read weights file {f}: {e}") from None
+    gguf.check_layer_count(config.get("num_hidden_layers"), weights, str(path))
     quantization = config.get("quantization") or config.get("quantization_config") or {}
     model = build_model(config, weights, quantization, source=str(path))
     from ..text.tokenizer import Tokenizer
