@@ -104,13 +104,24 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
         mlxfast.load()
 
 
-def test_cli_reports_errors_without_traceback(tmp_path):
+@pytest.mark.parametrize("module", ["mlxfast.cli", "mlxfast"])  # python -m mlxfast is the command too
+def test_cli_reports_errors_without_traceback(tmp_path, module):
     proc = subprocess.run(
-        [sys.executable, "-m", "mlxfast.cli", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
+        [sys.executable, "-m", module, "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_tokenizer_json_the_library_cannot_read_is_a_clear_error(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "llama")
+    (path / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer"):
+        mlxfast.load(path)
+    proc = subprocess.run([sys.executable, "-m", "mlxfast", "generate", "--model", str(path), "--prompt", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "tokenizer.json" in proc.stderr
 
 
 def _gguf_with(tmp_path, **over):

@@ -194,6 +194,18 @@ def test_a_render_is_bounded_in_time_and_size(monkeypatch, template):
 GEMMA_TURNS = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
 
+def test_large_numbers_as_data_are_not_bounds():
+    """The bounds are on widths and counts, not on values a template prints
+    (a tool schema's maximum, a large id)."""
+    tools = [{"name": "f", "parameters": {"type": "integer", "maximum": 10 ** 12}}]
+    t = ("{% for t in tools %}{{ t.parameters.maximum|string }} {{ t.parameters.maximum }} "
+         "{{ '%d' % t.parameters.maximum }} {{ t.parameters|tojson }}{% endfor %}")
+    out = render_chat_template(t, [{"role": "user", "content": "x"}], tools=tools)
+    assert out == '1000000000000 1000000000000 1000000000000 {"type": "integer", "maximum": 1000000000000}'
+    with pytest.raises(ValueError, match="width or count"):
+        render_chat_template("{{ '%*d' % (10 ** 9, 1) }}", [{"role": "user", "content": "x"}])
+
+
 def test_strftime_now_and_generation_block():
     template = "{% generation %}{{ strftime_now('%Y') }}{% endgeneration %}"
     out = render_chat_template(template, [{"role": "user", "content": "x"}])

@@ -122,10 +122,14 @@ def _bounded_iter(seq):
 
 
 def _bounded_filter(f):
+    """``f``, its arguments after the filtered value checked (the value is
+    data: a schema's large ``maximum`` may be printed)."""
+    skip = 2 if getattr(f, "jinja_pass_arg", None) is not None else 1  # a context first, then the value
+
     @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marks
     def g(*args, **kwargs):
         _check_time()
-        _check_ints(itertools.chain(args, kwargs.values()))
+        _check_ints(itertools.chain(args[skip:], kwargs.values()))
         return f(*args, **kwargs)
     return g
 
@@ -151,9 +155,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             if _size(left) + _size(right) > MAX_CHARS:
                 raise _limit(f"a concatenation of {_size(left) + _size(right)} items")
         elif operator == "%" and isinstance(left, str):
-            if any(w.isdigit() and int(w) > MAX_INT_ARG for spec in _FORMAT_SPEC.findall(left) for w in spec):
+            specs = _FORMAT_SPEC.findall(left)
+            if any(w.isdigit() and int(w) > MAX_INT_ARG for spec in specs for w in spec):
                 raise _limit("a format width or precision over the bound")
-            _check_ints(right if isinstance(right, tuple) else (right,))
+            if any("*" in spec for spec in specs):  # widths taken from the values
+                _check_ints(right if isinstance(right, tuple) else (right,))
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature

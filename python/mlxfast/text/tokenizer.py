@@ -129,7 +129,10 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise ValueError(f"{path} has no tokenizer.json")
-        hf = HFTokenizer.from_file(str(tj))
+        try:
+            hf = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # noqa: BLE001  (the tokenizers library raises bare Exceptions)
+            raise ValueError(f"{tj} is not a tokenizer the tokenizers library reads: {e}") from None
         config = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
 
