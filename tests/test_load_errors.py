@@ -185,3 +185,12 @@ def test_hf_configs_that_cannot_be_a_model_are_one_clear_error(tmp_path, edit, m
     (path / "config.json").write_text(json.dumps(edit(cfg)))
     with pytest.raises(ValueError, match=match):
         mlxfast.load(path)
+
+
+def test_a_weights_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+
+    path = make_tiny_model(tmp_path / "m", "llama")
+    os.mkfifo(path / "model-00002-of-00002.safetensors")
+    with pytest.raises(ValueError, match="not a regular file"):
+        mlxfast.load(path)

@@ -104,6 +104,8 @@ def load_hf_dir(path: Path):
         raise FileNotFoundError(f"{path} has no *.safetensors weight files")
     weights = {}
     for f in files:
+        if not f.is_file():  # a FIFO blocked the load for ever
+            raise ValueError(f"weights file {f} is not a regular file")
         try:
             weights.update(mx.load(str(f)))
         except (RuntimeError, ValueError) as e:
