@@ -100,6 +100,42 @@ def test_byte_cap_enforced(model, tmp_path):
     assert len(files(tmp_path)) == s["entries"]
 
 
+def test_byte_cap_covers_the_directory(model, tmp_path):
+    """Another configuration's namespace and quarantined files count against
+    the cap too, and go first (quarantine, then the oldest): the cap held
+    only the live namespace's files, so a small cap left a directory of many
+    times its size."""
+    per_file = 4096 + 2 * 2 * BS * 2 * 16 * 4  # fp32 KV, as test_byte_cap_enforced
+    e = engine(model, ssd_cache_dir=str(tmp_path), kv_dtype="float16")  # another namespace
+    try:
+        for seed in range(3):
+            ask(e, prompt(20 + seed, 60))
+        e.flush_cache(30)
+    finally:
+        e.shutdown()
+    other = files(tmp_path)
+    assert len(other) >= 9
+    (tmp_path / "quarantine").mkdir(exist_ok=True)
+    (tmp_path / "quarantine" / "junk.kv").write_bytes(b"x" * per_file)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.kv"  # a link is never followed
+    outside.write_bytes(b"y" * 100)
+    (tmp_path / "quarantine" / "link.kv").symlink_to(outside)
+    cap = 6 * per_file
+    e = engine(model, ssd_cache_dir=str(tmp_path), ssd_cache_max_gb=cap / (1 << 30), kv_dtype="float32")
+    try:
+        for seed in range(2):
+            ask(e, prompt(30 + seed, 60))
+            e.flush_cache(30)
+        s = e.stats()["ssd"]
+    finally:
+        e.shutdown()
+    on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file() and not f.is_symlink()
+                  and f.parent.name.startswith(("ns-", "quarantine")))
+    assert on_disk <= cap and s["bytes"] + s["other_bytes"] <= cap
+    assert not (tmp_path / "quarantine" / "junk.kv").exists() and outside.read_bytes() == b"y" * 100
+    assert s["entries"] > 0  # the live namespace keeps its newest files
+
+
 def test_corrupt_and_foreign_files_are_quarantined(model, tmp_path):
     p = prompt(5, 120)
     e = engine(model, ssd_cache_dir=str(tmp_path))

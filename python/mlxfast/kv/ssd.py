@@ -315,6 +315,8 @@ class SSDTier:
         self._failed_at_flush = 0
         allocator.on_evict = self._on_evict
         allocator.on_register = self._on_register
+        self._others = self._scan_others()
+        self.other_bytes = sum(f[2] for f in self._others)
         self._enforce_cap()
         log.info("ssd cache: %s, %d blocks (%.1f MiB) indexed in %.2fs; %d .tmp removed, %d quarantined",
                  self.dir, len(self.index), self.bytes / (1 << 20), self.scan_seconds,
@@ -401,9 +403,73 @@ class SSDTier:
                                 self.dir, os.strerror(err) if err else "error")
         self._enforce_cap()
 
+    def _scan_others(self) -> list:
+        """The directory's files outside this namespace (other models' or
+        configurations' namespaces, quarantined files), in the order the cap
+        drops them: quarantined first, then the oldest. max_bytes caps the
+        whole directory (a 5 MiB cap held 30 MiB of them), this namespace's
+        files before theirs; the lock is held, so no server uses them. Read
+        through directory descriptors, never following a link."""
+        try:
+            rootfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return []
+        files = []  # (not quarantined, mtime, size, dir name, file name)
+        try:
+            with os.scandir(rootfd) as it:
+                dirs = [e.name for e in it if e.name != self.dir.name and e.is_dir(follow_symlinks=False)
+                        and (e.name == "quarantine" or e.name.startswith("ns-"))]
+            for d in dirs:
+                try:
+                    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=rootfd)
+                except OSError:
+                    continue
+                try:
+                    with os.scandir(fd) as it:
+                        for e in it:
+                            if e.is_file(follow_symlinks=False):
+                                st = e.stat(follow_symlinks=False)
+                                files.append((d != "quarantine", st.st_mtime, st.st_size, d, e.name))
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            log.warning("ssd cache: cannot measure %s: %s", self.root, e.strerror or e)
+        finally:
+            os.close(rootfd)
+        files.sort(key=lambda f: f[:2])
+        return files
+
+    def _drop_others(self, over: int) -> int:
+        """Unlink files outside this namespace (``_scan_others``' order) until
+        ``over`` bytes are gone or none is left; returns what is still over."""
+        try:
+            rootfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return over
+        try:
+            while over > 0 and self._others:
+                _, _, size, d, name = self._others.pop(0)
+                self.other_bytes -= size
+                over -= size
+                try:
+                    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=rootfd)
+                    try:
+                        os.unlink(name, dir_fd=fd)
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    pass
+        finally:
+            os.close(rootfd)
+        return over
+
     def _enforce_cap(self) -> None:
-        """Keep files + queued writes under max_bytes, dropping the oldest used."""
-        over = self.bytes + len(self.pending) * self.block_bytes - self.max_bytes
+        """Keep the directory's files + queued writes under max_bytes:
+        other namespaces' and quarantined files go first, then this
+        namespace's oldest used."""
+        over = self.bytes + len(self.pending) * self.block_bytes + self.other_bytes - self.max_bytes
+        if over > 0 and self._others:
+            over = self._drop_others(over)
         names = []
         while over > 0 and self.index:
             key, size = self.index.popitem(last=False)
@@ -631,6 +697,7 @@ class SSDTier:
             "entries": len(self.index),
             "bytes": self.bytes,
             "max_bytes": self.max_bytes,
+            "other_bytes": self.other_bytes,
             "pending_writes": int(w["pending_jobs"]) + int(w["in_flight"]),
             "pending_bytes": int(w["pending_bytes"]),
             "dirty_blocks": len(self.dirty),
