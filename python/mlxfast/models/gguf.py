@@ -275,7 +275,7 @@ def check_layer_count(n, names, source: str = "model") -> None:
         raise ValueError(f"{source}: the config says {n!r} layers, the weights hold {len(present)}")
 
 
-_LAYER_INDEX = re.compile(r"(?:^blk|\.layers)\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:blk|layers)\.(\d+)\.")
 
 
 def hf_weights(tensors: dict, config: dict) -> tuple[dict, dict]:
