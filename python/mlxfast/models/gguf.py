@@ -268,7 +268,7 @@ def _unpermute(w: mx.array, n_heads: int) -> mx.array:
 
 def check_layer_count(n, names, source: str = "model") -> None:
     """The config's layer count against the layers the weights hold (GGUF
-    ``blk.<i>.`` or HF ``.layers.<i>.`` names): a count the file does not
+    ``blk.<i>.`` or HF ``layers.<i>.`` names): a count the file does not
     back (2^31 - 1 of them) made the load loop, or allocate, for ever."""
     present = {int(m.group(1)) for name in names if (m := _LAYER_INDEX.search(name))}
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(present):

@@ -608,9 +608,7 @@ class MistralParser(_RegionParser):
                     return False
                 call, self._call = self._call, None
                 if self._form == "one":
-                    if not call.valid:
-                        out.append(Text(self.START + buf[:call.end]))
-                    return self._close_region(call.end)
+                    return self._close_region(call.end) if call.valid else self._not_a_region(out)
                 self._pos = call.end
                 if call.valid:
                     self._calls_in_region += 1
