@@ -43,6 +43,9 @@ class ToyDetok:
     def flush(self) -> str:
         return ""
 
+    def hides(self, t: int) -> bool:
+        return False  # no special tokens but EOS, which is never detokenized
+
 
 class ToyTokenizer:
     """Token i <-> one letter (i % 26); id 0 is EOS."""
@@ -58,7 +61,7 @@ class ToyTokenizer:
     def decode(self, ids) -> str:
         return "".join(self.piece(t) for t in ids)
 
-    def detokenizer(self):
+    def detokenizer(self, *, skip_special_tokens: bool = False):
         return ToyDetok(self)
 
 

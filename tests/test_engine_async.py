@@ -118,12 +118,12 @@ def test_stop_inside_a_pipelined_run_leaves_no_wrong_kv(model):
         (toks, _, fin), = run_requests(eng, [Request(prompt, greedy(24, ignore_eos=True,
                                                                      stop_token_ids={ref[stop_at]}))])
         assert eng.stats()["num_steps_ahead"] > 5
-        longer = prompt + toks + [ref[stop_at]] + [3, 1, 4, 1, 5]
+        longer = prompt + toks + [3, 1, 4, 1, 5]  # toks end in the stop token
         (t2, _, f2), = run_requests(eng, [Request(longer, greedy(8, ignore_eos=True))])
         stats = eng.stats()
     finally:
         eng.shutdown()
-    assert toks == ref[:stop_at] and fin.finish_reason == "stop" and fin.stop_token_id == ref[stop_at]
+    assert toks == ref[:stop_at + 1] and fin.finish_reason == "stop" and fin.stop_token_id == ref[stop_at]
     assert f2.cached_tokens == 16 and t2 == dense_greedy(model, longer, 8)
     assert stats["free_blocks"] == stats["total_blocks"]
 

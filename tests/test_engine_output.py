@@ -7,7 +7,7 @@ class Tok:
     def __init__(self, pieces):
         self.pieces = pieces
 
-    def detokenizer(self):
+    def detokenizer(self, skip_special_tokens=False):
         pieces = self.pieces
 
         class D:
@@ -16,6 +16,9 @@ class Tok:
 
             def flush(self):
                 return ""
+
+            def hides(self, t):
+                return False
 
         return D()
 

@@ -117,7 +117,7 @@ def test_a_stop_token_inside_an_accepted_run(model, tok, reference, oracle):
     plain, _ = run(model, tok, reqs, spec=False)
     spec, _ = run(model, tok, reqs)
     for (t, j), r, (ptoks, _, pfin), (stoks, _, sfin) in zip(stops, reference, plain, spec):
-        assert stoks == ptoks == r[:j]
+        assert stoks == ptoks == r[:j + 1]  # the stop token is the last
         assert sfin.finish_reason == pfin.finish_reason == "stop" and sfin.stop_token_id == t
         assert sfin.completion_tokens == pfin.completion_tokens
 
@@ -653,7 +653,7 @@ def default_model():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [None, ["total"]])
-def test_default_model_prompt_lookup_changes_no_token(default_model, stop):
+def test_default_model_prompt_lookup_changes_no_token(default_model, stop, verify_all):
     model, tok = default_model
 
     def ids(q):
@@ -857,7 +857,7 @@ def test_an_unfit_draft_model_is_refused(model, tok, make, words):
 
 
 @pytest.mark.slow
-def test_structured_output_drafts_the_tokens_its_grammar_forces(default_model):
+def test_structured_output_drafts_the_tokens_its_grammar_forces(default_model, verify_all):
     """A JSON schema's keys and punctuation are forced: they come as
     accepted drafts, and the answer is the one decoding without
     speculation gives (greedy and sampled), and it validates."""
@@ -892,7 +892,7 @@ def test_structured_output_drafts_the_tokens_its_grammar_forces(default_model):
 @pytest.mark.parametrize("schema", [{"type": "object", "properties": {"is_ok": {"type": "boolean"}},
                                      "required": ["is_ok"], "additionalProperties": False},
                                     {"enum": ["alpha", "beta"]}])
-def test_a_grammar_that_ends_in_its_forced_tokens_ends_there(default_model, schema):
+def test_a_grammar_that_ends_in_its_forced_tokens_ends_there(default_model, schema, verify_all):
     """The forced run closes the answer (``}``, the rest of an enum value):
     no token is sampled after it, as without speculation, even with
     ignore_eos (an end-of-turn token would break the JSON)."""
@@ -918,7 +918,7 @@ def test_a_grammar_that_ends_in_its_forced_tokens_ends_there(default_model, sche
 
 
 @pytest.mark.slow
-def test_forced_tokens_carry_their_own_logprobs(default_model):
+def test_forced_tokens_carry_their_own_logprobs(default_model, verify_all):
     import asyncio
 
     from mlxfast.server.grammar import GrammarCompiler

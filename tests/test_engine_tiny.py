@@ -102,7 +102,7 @@ def test_stop_string_logprobs_and_penalties(model):
     finally:
         eng.shutdown()
     assert text2 == text[:first] and fin2.stop_string == stop and fin2.finish_reason == "stop"
-    assert t3 == toks[:2] and fin3.stop_token_id == toks[2] and fin3.completion_tokens == 3
+    assert t3 == toks[:3] and fin3.stop_token_id == toks[2] and fin3.completion_tokens == 3  # the stop token is one
     assert t4[0] != toks[0]
     for e in evs[:-1]:
         assert e.top_logprobs[0][0] == e.token_id and abs(e.top_logprobs[0][1] - e.logprob) < 1e-5

@@ -520,3 +520,76 @@ def test_thousands_of_choices_compile(server):
     r = chat(server, max_tokens=8, temperature=0, guided_choice=choices)
     assert r.status_code == 200, r.text[:300]
     assert r.json()["choices"][0]["message"]["content"] in choices
+
+
+def _completion(server, **body):
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                   json={"prompt": "Hello", "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_special_tokens_leave_no_text_unless_asked_for(server, openai_client, tokenizer):
+    """vLLM's skip_special_tokens (default true; llama.cpp's server prints no
+    control token either): a forced <|im_start|> counts as a token but writes
+    nothing; false writes it; as a stop string it still stops there."""
+    start = tokenizer.token_to_id("<|im_start|>")
+    force = {"logit_bias": {str(start): 100}, "max_tokens": 3}
+    c = _completion(server, **force)
+    assert (c["text"], c["finish_reason"]) == ("", "length")
+    assert _completion(server, **force, skip_special_tokens=False)["text"] == "<|im_start|>" * 3
+    c = _completion(server, **force, stop=["<|im_start|>"])
+    assert (c["text"], c["finish_reason"]) == ("", "stop")
+    chunks = list(openai_client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], stream=True, temperature=0, **force))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    r = openai_client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], temperature=0, **force,
+        extra_body={"skip_special_tokens": False})
+    assert r.choices[0].message.content == "<|im_start|>" * 3
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                   json={"prompt": "Hello", "skip_special_tokens": "no"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special_tokens"
+
+
+def test_a_character_cut_by_max_tokens_is_dropped(server, tokenizer):
+    """The output's last bytes that only begin a character are dropped (as vLLM
+    and llama.cpp's server do), not written as U+FFFD; an invalid byte before
+    them still is."""
+    lead = tokenizer.token_to_id("ð")  # the byte 0xF0, which opens a 4-byte character
+    assert tokenizer.token_bytes(lead) == b"\xf0"
+    force = {"logit_bias": {str(lead): 100}}
+    assert _completion(server, **force, max_tokens=1)["text"] == ""
+    assert _completion(server, **force, max_tokens=2)["text"] == "\ufffd"
+
+
+def test_the_stop_token_has_its_logprob_and_counts_in_every_usage(server, tokenizer):
+    """vLLM's contract: one logprob entry per completion token, the EOS that
+    ended the answer included (it adds no text); streamed usage reaches the
+    final count on the finishing chunk."""
+    eos = tokenizer.eos_token_id
+    c = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json={
+        "prompt": "Hello", "max_tokens": 5, "temperature": 0, "logprobs": 2, "logit_bias": {str(eos): 100}}).json()
+    lp = c["choices"][0]["logprobs"]
+    assert c["choices"][0]["finish_reason"] == "stop" and c["choices"][0]["text"] == ""
+    assert c["usage"]["completion_tokens"] == 1 == len(lp["tokens"]) == len(lp["token_logprobs"])
+    # the model's own logprob of EOS there (logprobs are of the raw logits, before logit_bias)
+    assert -100 < lp["token_logprobs"][0] < 0 and lp["text_offset"] == [0]
+    ask = {"messages": [{"role": "user", "content": "Reply with the single word yes."}], "max_tokens": 60,
+           "temperature": 0, "logprobs": True}
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json=ask).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in content[:-1]) == r["choices"][0]["message"]["content"]
+    counts, final = [], None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+            **ask, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    counts.append(chunk["usage"]["completion_tokens"])
+                else:
+                    final = chunk["usage"]["completion_tokens"]
+    assert final == r["usage"]["completion_tokens"] == counts[-1]

@@ -324,3 +324,53 @@ def test_openai_routes_answer_without_v1_too(server):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
     assert httpx.get(server.url + "/models", timeout=30).status_code == 401
     assert httpx.post(server.url + "/messages", headers=server.headers, json={}, timeout=30).status_code == 404
+
+
+REASONING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}<think>"
+                      "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}{% endfor %}<assistant>")
+
+
+def test_anthropic_thinking_history_reaches_the_template(fake_client):
+    """An assistant turn's thinking blocks are its reasoning, as OpenAI's
+    reasoning_content is (templates such as Qwen3's render it in a tool
+    loop); redacted thinking is opaque and stays out."""
+    c, eng = fake_client("ok", chat_template=REASONING_TEMPLATE)
+    dec = c.app.state.mlxfast.tokenizer.decode
+    blocks = [{"type": "thinking", "thinking": "Check the weather.", "signature": "x"},
+              {"type": "redacted_thinking", "data": "opaque"},
+              {"type": "thinking", "thinking": "Then answer.", "signature": "y"},
+              {"type": "text", "text": "Let me look."}]
+    msgs = USER + [{"role": "assistant", "content": blocks}, {"role": "user", "content": "and?"}]
+    r = c.post("/v1/messages", json={"model": "m", "max_tokens": 20, "messages": msgs})
+    assert r.status_code == 200, r.text
+    anthropic = dec(eng.requests[-1].prompt_ids)
+    assert "<assistant><think>Check the weather.\nThen answer.</think>Let me look.<user>and?" in anthropic
+    assert "opaque" not in anthropic
+    c.post("/v1/chat/completions", json={"messages": USER + [
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Check the weather.\nThen answer."},
+        {"role": "user", "content": "and?"}]})
+    assert dec(eng.requests[-1].prompt_ids) == anthropic
+    counted = c.post("/v1/messages/count_tokens", json={"model": "m", "messages": msgs}).json()["input_tokens"]
+    msgs[1]["content"] = blocks[3:]
+    assert c.post("/v1/messages/count_tokens", json={"model": "m", "messages": msgs}).json()["input_tokens"] < counted
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_continue_final_message_with_a_generation_prompt_is_refused(fake_client, path):
+    """vLLM's and llama.cpp's rule; the default add_generation_prompt gives way."""
+    c, _ = fake_client("ok")
+    msgs = USER + [{"role": "assistant", "content": "Hel"}]
+    r = c.post(path, json={"messages": msgs, "continue_final_message": True, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    assert c.post(path, json={"messages": msgs, "continue_final_message": True}).status_code == 200
+    assert c.post(path, json={"messages": msgs, "continue_final_message": True,
+                              "add_generation_prompt": False}).status_code == 200
+
+
+def test_llama_cpp_names_of_health_and_detokenize(fake_client):
+    c, _ = fake_client("ok", api_key="k")
+    assert c.get("/v1/health").status_code == 200 and c.get("/v1/health").json() == c.get("/health").json()
+    assert c.get("/v1/models").status_code == 401  # only the health alias is public
+    ids = c.post("/tokenize", json={"prompt": "Hello there"}, headers={"x-api-key": "k"}).json()["tokens"]
+    body = c.post("/detokenize", json={"tokens": ids}, headers={"x-api-key": "k"}).json()
+    assert body == {"prompt": "Hello there", "content": "Hello there"}

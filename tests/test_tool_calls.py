@@ -423,11 +423,11 @@ def test_render_tool_call_round_trips_tricky_arguments(family):
     assert stream(tc.make_parser(family), raw, 1) == [PY]
 
 
-def test_output_parser_exposes_unfinished_call(tokenizer):
+def test_output_parser_exposes_unfinished_call():
     from mlxfast.server.chat import OutputParser
     from mlxfast.server.events import ContentDelta
 
-    parser = OutputParser(tokenizer, reasoning=False, in_reasoning=False, tool_family="hermes")
+    parser = OutputParser(reasoning=False, in_reasoning=False, tool_family="hermes")
     raw = '<tool_call>\n{"name": "python", "arguments": {"code": "</tool_call>'
     assert parser.feed("Hi " + raw) == [ContentDelta("Hi "), tc.ToolCallStart(0, "python"),
                                         tc.ToolCallArgs(0, '{"code": "</tool_call>')]
@@ -435,10 +435,10 @@ def test_output_parser_exposes_unfinished_call(tokenizer):
     assert parser.tools.unfinished_call
 
 
-def test_output_parser_keeps_only_the_first_call_when_parallel_calls_are_off(tokenizer):
+def test_output_parser_keeps_only_the_first_call_when_parallel_calls_are_off():
     from mlxfast.server.chat import OutputParser
 
-    parser = OutputParser(tokenizer, reasoning=False, in_reasoning=False, tool_family="hermes", max_calls=1)
+    parser = OutputParser(reasoning=False, in_reasoning=False, tool_family="hermes", max_calls=1)
     events = parser.feed(HERMES) + parser.finish()
     assert [e.name for e in events if isinstance(e, tc.ToolCallStart)] == ["get_weather"]
     assert all(e.index == 0 for e in events if isinstance(e, (tc.ToolCallArgs, tc.ToolCallEnd)))

@@ -48,6 +48,7 @@ class SamplingParams:
     # grammar says).
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # vLLM's: a matched stop string ends the text
+    skip_special_tokens: bool = True  # vLLM's: special tokens but parsers' markup leave no text
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
     prompt_logprobs: int | None = None  # score the prompt, k (0..20) best alternatives per position

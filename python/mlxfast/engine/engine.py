@@ -478,7 +478,8 @@ class Engine:
                   score_prompt=p.prompt_logprobs is not None, data=st)
         st.sampling = SamplingState.create(p, seq.tokens, seq.prompt_len, seq.stop_ids)
         st.out = OutputProcessor(self.tokenizer, p.stop, min_tokens=p.min_tokens,
-                                 include_stop=p.include_stop_str_in_output)
+                                 include_stop=p.include_stop_str_in_output,
+                                 skip_special_tokens=p.skip_special_tokens)
         if self.config.spec_kind and speculation_allowed(p):
             st.spec = RowSpec(self.config.ngram_min, self.config.ngram_max, forced=p.grammar is not None,
                               pooled=self.drafter.pooled)
@@ -772,7 +773,11 @@ class Engine:
             end("error", error=res.error)
             return
         if u.finish_reason == "stop" and seq.stop_token_id is not None:
-            st.events.append(self._finish_event(seq, "stop", text=st.out.finish()))
+            # The stop token is a generated token (counted, with its logprob,
+            # as vLLM gives it) that adds no text: what was held comes out.
+            st.events.append(TokenEvent(u.token, st.out.finish(), res.logprob, res.top_logprobs,
+                                        cached_tokens=seq.cached_tokens or 0))
+            st.events.append(self._finish_event(seq, "stop"))
             return
         text = st.out.add(u.token)
         st.events.append(TokenEvent(u.token, text, res.logprob, res.top_logprobs,

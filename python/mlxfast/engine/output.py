@@ -2,7 +2,9 @@
 
 Text that could still turn into a stop string is held back, so no emitted
 text ever contains a stop string or anything after it, including across token
-boundaries. Stop and EOS tokens are not turned into text.
+boundaries. Stop and EOS tokens are not turned into text, nor (by default,
+as in vLLM and llama.cpp's server) other special tokens but the markup the
+output parsers read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ class _NullDetok:
     def flush(self) -> str:
         return ""
 
+    def hides(self, token_id: int) -> bool:
+        return False
+
 
 class OutputProcessor:
     """``min_tokens``: a stop string matches only where it ends in the text
@@ -25,8 +30,10 @@ class OutputProcessor:
     being cut."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None, min_tokens: int = 0,
-                 include_stop: bool = False):
-        self.detok = tokenizer.detokenizer() if tokenizer is not None else _NullDetok()
+                 include_stop: bool = False, skip_special_tokens: bool = False):
+        self.detok = (tokenizer.detokenizer(skip_special_tokens=skip_special_tokens)
+                      if tokenizer is not None else _NullDetok())
+        self._tok = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.held = ""
         self.stop_string: str | None = None
@@ -70,7 +77,18 @@ class OutputProcessor:
     def add(self, token_id: int) -> str:
         """Text this token made final ("" while held back). Check ``stop_string`` after."""
         self.n_tokens += 1
-        return self._release(self.detok.add(token_id), final=False)
+        out = self._release(self.detok.add(token_id), final=False)
+        if self.stop and self.stop_string is None and self.detok.hides(token_id) \
+                and self.n_tokens > self.min_tokens:
+            # A stop string written as a special token's text still stops the
+            # output there, though that text is left out of it.
+            special = self._tok.id_to_token(token_id)
+            hits = [(special.find(s), s) for s in self.stop if s in special]
+            if hits:
+                stop = min(hits)[1]
+                out += self.held + self.detok.flush() + (stop if self.include_stop else "")
+                self.held, self.stop_string = "", stop
+        return out
 
     def finish(self) -> str:
         """Everything still held at the end (not after a stop string)."""

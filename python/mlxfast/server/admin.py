@@ -21,6 +21,7 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/v1/health", include_in_schema=False)  # llama.cpp's server answers both
 async def health(request: Request):
     state = state_of(request)
     if state.status == "loading":
@@ -134,4 +135,5 @@ async def detokenize(request: Request):
     for t in body.tokens:
         if not 0 <= t < min(vocab, state.tokenizer.vocab_size):
             raise bad_request(f"token id {t} is outside the vocabulary", "tokens")
-    return {"prompt": state.tokenizer.decode(body.tokens)}
+    text = state.tokenizer.decode(body.tokens)
+    return {"prompt": text, "content": text}  # vLLM's name, llama.cpp's

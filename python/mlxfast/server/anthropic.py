@@ -59,6 +59,7 @@ def to_messages(body) -> list[dict]:
             out.append({"role": m.role, "content": m.content})
             continue
         texts: list[str] = []
+        thinking: list[str] = []
         calls: list[dict] = []
         results: list[dict] = []
         for j, b in enumerate(m.content):
@@ -66,8 +67,11 @@ def to_messages(body) -> list[dict]:
             if not isinstance(b, dict) or not isinstance(b.get("type"), str):
                 raise bad_request(f"{bw} must be a content block with a 'type'")
             t = b["type"]
+            if t == "thinking" and m.role == "assistant" and isinstance(b.get("thinking"), str):
+                thinking.append(b["thinking"])  # the template decides where reasoning goes, if anywhere
+                continue
             if t in ("thinking", "redacted_thinking"):
-                continue  # accepted, not fed back to the model
+                continue  # encrypted (redacted), or not the assistant's: accepted, not fed back
             if t == "tool_use":
                 if m.role != "assistant":
                     raise bad_request(f"{bw}: tool_use blocks belong to assistant messages")
@@ -94,6 +98,8 @@ def to_messages(body) -> list[dict]:
         out.extend(results)
         if texts or calls or not results:
             msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if thinking:
+                msg["reasoning_content"] = "\n".join(thinking)  # as the OpenAI and Responses paths give it
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -253,7 +259,7 @@ async def messages(request: Request):
     state, body = await ready_body(request, AnthropicRequest)
     model = state.resolve_model(body.model)
     prepared = await off_loop(_prepare, state, body)
-    ereq, parser = prepared.request, prepared.parser(state.tokenizer)
+    ereq, parser = prepared.request, prepared.parser()
     if body.stream:
         steps = await gen.run(state, ereq, parser, heartbeat_s=state.settings.heartbeat_s)
         return sse_response(_stream(ereq, steps, model, len(ereq.prompt_ids)))

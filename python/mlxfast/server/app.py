@@ -18,6 +18,7 @@ from .state import ServerState
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/stats", "/admin/",
               "/chat/", "/completions", "/models", "/responses")  # the last: _alias_without_v1's
+_PUBLIC = ("/v1/health",)  # llama.cpp's alias of /health, public as /health is
 
 
 def _credential(headers: dict[str, str]) -> str | None:
@@ -119,7 +120,7 @@ class _Guard:
             return await self._reply(scope, send, APIError(
                 403, f"a request from the page at {origin[:100]!r} was refused: another site's page may "
                      "not use this server (allow it with --allowed-origins)", "permission_error"))
-        if s.api_key and (path.startswith(_PROTECTED) or (s.metrics_require_key and path == "/metrics")):
+        if s.api_key and path not in _PUBLIC and (path.startswith(_PROTECTED) or (s.metrics_require_key and path == "/metrics")):
             given = _credential(headers)
             if given is None or not hmac.compare_digest(given.encode(), s.api_key.encode()):
                 msg = "invalid API key" if given else "missing API key (send 'Authorization: Bearer <key>' or 'x-api-key')"

@@ -64,8 +64,8 @@ class Prepared:
     reasoning: bool  # split <think> blocks from the answer
     max_tool_calls: int | None
 
-    def parser(self, tokenizer) -> "OutputParser":
-        return OutputParser(tokenizer, reasoning=self.reasoning,
+    def parser(self) -> "OutputParser":
+        return OutputParser(reasoning=self.reasoning,
                             in_reasoning=self.reasoning and self.prompt.in_reasoning,
                             tool_family=self.tool_family,
                             max_calls=self.max_tool_calls)
@@ -159,27 +159,18 @@ def prepare(state, chat: ChatRequest) -> Prepared:
 class OutputParser:
     """Engine text -> ContentDelta / ReasoningDelta / tool-call events."""
 
-    def __init__(self, tokenizer, *, reasoning: bool, in_reasoning: bool, tool_family: str | None,
+    def __init__(self, *, reasoning: bool, in_reasoning: bool, tool_family: str | None,
                  max_calls: int | None = None):
         self.reasoning = ReasoningParser(in_reasoning) if reasoning else None
         self.tools = tc.make_parser(tool_family) if tool_family else None
         self.max_calls = max_calls
-        # Markup held as special tokens, whose text a detokenizer may drop.
-        self._markers: dict[int, str] = {}
-        if tool_family:
-            for text in tc.markup_tokens(tool_family):
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                if len(ids) == 1:
-                    self._markers[ids[0]] = text
 
     @property
     def in_reasoning(self) -> bool:
         """Whether the model is writing its reasoning now (for token counts)."""
         return self.reasoning is not None and self.reasoning.in_reasoning
 
-    def feed(self, text: str, token_id: int | None = None) -> list:
-        if token_id is not None and token_id in self._markers and self._markers[token_id] not in text:
-            text = self._markers[token_id] + text
+    def feed(self, text: str) -> list:
         return self._route(self.reasoning.feed(text) if self.reasoning else [("content", text)])
 
     def finish(self, text: str = "") -> list:

@@ -86,7 +86,7 @@ def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, log
     stop_ids = set(field("stop_token_ids") or [])
     for tid in stop_ids:
         if not 0 <= tid < vocab:
-            raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
+            raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary (size {vocab})", "stop_token_ids")
     if isinstance(stop, str):
         stop = [stop]
     return SamplingParams(
@@ -105,6 +105,7 @@ def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, log
         ignore_eos=bool(field("ignore_eos")),
         min_tokens=min(int(field("min_tokens") or 0), max_tokens),
         include_stop_str_in_output=bool(field("include_stop_str_in_output")),
+        skip_special_tokens=pick("skip_special_tokens", True),
         logprobs=bool(logprobs),
         top_logprobs=int(top_logprobs or 0),
         grammar=grammar,
@@ -116,7 +117,7 @@ class PlainText:
 
     in_reasoning = False
 
-    def feed(self, text: str, token_id: int | None = None) -> list:
+    def feed(self, text: str) -> list:
         return [ContentDelta(text)] if text else []
 
     def finish(self, text: str = "") -> list:
@@ -173,7 +174,7 @@ async def _steps(state, request, stream, parser, http_request, heartbeat_s):
                 continue
             if isinstance(ev, TokenEvent):
                 reasoning = parser.in_reasoning
-                yield Step(pieces=parser.feed(ev.text, ev.token_id), token=ev, reasoning=reasoning)
+                yield Step(pieces=parser.feed(ev.text), token=ev, reasoning=reasoning)
             elif isinstance(ev, FinishEvent):
                 finished = True
                 yield Step(pieces=parser.finish(ev.text or ""), finish=ev)

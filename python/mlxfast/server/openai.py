@@ -216,7 +216,7 @@ async def chat_completions(request: Request):
     prepared = await off_loop(_prepare_chat, state, body)
     ereq = prepared.request
     requests = gen.fan_out(ereq, body.n or 1)
-    parsers = [prepared.parser(state.tokenizer) for _ in requests]
+    parsers = [prepared.parser() for _ in requests]
     if body.stream:
         steps = await gen.run_many(state, requests, parsers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

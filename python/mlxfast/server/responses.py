@@ -509,7 +509,7 @@ async def create_response(request: Request):
     prepared, own = await off_loop(_prepare, state, body, history)
     items = _input_items(body)
     turn = _Turn(state, body, prepared, model)
-    parser = prepared.parser(state.tokenizer)
+    parser = prepared.parser()
     if body.stream:
         steps = await gen.run(state, prepared.request, parser, heartbeat_s=state.settings.heartbeat_s)
         return sse_response(_stream(turn, steps, own, items))

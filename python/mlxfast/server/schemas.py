@@ -132,6 +132,7 @@ class SamplingFields(SamplingKnobs):
     ignore_eos: Optional[bool] = False
     min_tokens: Optional[int] = Field(default=None, ge=0, le=_INT32_MAX)  # vLLM's
     include_stop_str_in_output: Optional[bool] = False  # vLLM's
+    skip_special_tokens: Optional[bool] = None  # vLLM's (default true)
     # vLLM's structured output (grammar.guided_spec reads them)
     guided_json: Union[str, dict, None] = None
     guided_regex: Optional[str] = None
@@ -180,7 +181,24 @@ class SamplingFields(SamplingKnobs):
         return v
 
 
-class ChatCompletionRequest(SamplingFields):
+class _ChatTemplateFlags(_Model):
+    """How the chat template ends the prompt (vLLM's fields)."""
+
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        # vLLM's and llama.cpp's rule; the default add_generation_prompt
+        # gives way to continue_final_message.
+        if self.continue_final_message and self.add_generation_prompt \
+                and "add_generation_prompt" in self.model_fields_set:
+            raise FieldError("continue_final_message", "cannot be true together with add_generation_prompt "
+                             "(continuing the final message adds no generation prompt)")
+        return self
+
+
+class ChatCompletionRequest(_ChatTemplateFlags, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = False
@@ -195,8 +213,6 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Union[Literal["none", "auto"], NamedToolChoiceFunction, None] = None
     reasoning_effort: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    add_generation_prompt: Optional[bool] = True
-    continue_final_message: Optional[bool] = False
     echo: Optional[bool] = False  # vLLM's: the answer starts with the last message when it is the assistant's
 
 
@@ -211,7 +227,7 @@ class CompletionRequest(SamplingFields):
     response_format: Optional[ResponseFormat] = None
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_ChatTemplateFlags):
     """vLLM's /tokenize (a prompt, or messages rendered as chat completions
     renders them), and llama.cpp's (``content``, ``add_special``, ``with_pieces``)."""
 
@@ -221,8 +237,6 @@ class TokenizeRequest(_Model):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = None  # default: True for a prompt (the chat template has its own)
     add_special: Optional[bool] = None  # llama.cpp's name for add_special_tokens
-    add_generation_prompt: Optional[bool] = True
-    continue_final_message: Optional[bool] = False
     tools: Optional[list[ToolDef]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     return_token_strs: Optional[bool] = None

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from . import reasoning, tool_calls
 from .chat_template import render_chat_template
 from .detokenizer import IncrementalDetokenizer
 from .gguf_vocab import vocab_from_gguf_metadata
@@ -96,6 +97,7 @@ class Tokenizer:
         # Built once: the HF call copies every added token (~2 ms for Gemma's 6k).
         self._added = hf.get_added_tokens_decoder()
         self._special_ids = {i for i, t in self._added.items() if t.special}
+        self._hidden_ids: frozenset[int] | None = None
         self._model_eos_ids = frozenset(eos_token_ids)
         self.chat_template = chat_template  # sets eos_token_ids too
         self._kind = _decoder_kind(
@@ -210,6 +212,16 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return int(token_id) in self._special_ids
+
+    @property
+    def hidden_special_ids(self) -> frozenset[int]:
+        """What skipping special tokens drops from output text: every special
+        token but the tool-call and reasoning markup the output parsers read."""
+        if self._hidden_ids is None:
+            markup = (*tool_calls.markup(), reasoning.START, reasoning.END)
+            kept = {self._hf.token_to_id(m) for m in markup}
+            self._hidden_ids = frozenset(self._special_ids - kept)
+        return self._hidden_ids
 
     def is_byte_fallback(self, token_id: int) -> bool:
         """True for SentencePiece ``<0xXX>`` byte tokens under a byte-fallback decoder."""

@@ -657,14 +657,10 @@ def make_parser(family: str) -> ToolCallParser:
         raise ValueError(f"unknown tool-call format {family!r} (known: {', '.join(PARSERS)})") from None
 
 
-def markup_tokens(family: str) -> list[str]:
-    """Markers a tokenizer may hold as single special tokens (their text may be
-    dropped by a detokenizer that skips special tokens)."""
-    return {
-        "hermes": ["<tool_call>", "</tool_call>"],
-        "llama3": ["<|python_tag|>"],
-        "mistral": ["[TOOL_CALLS]", "[ARGS]"],
-    }.get(family, [])
+def markup() -> tuple[str, ...]:
+    """Every parser's markers: a tokenizer may hold them as special tokens,
+    whose text must still reach the parsers when special tokens are skipped."""
+    return (HermesParser.START, HermesParser.END, _LLAMA_TAG, MistralParser.START, MistralParser.ARGS)
 
 
 def render_tool_call(family: str, name: str, arguments: dict | str) -> str:
