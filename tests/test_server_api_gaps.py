@@ -593,3 +593,41 @@ def test_the_stop_token_has_its_logprob_and_counts_in_every_usage(server, tokeni
                 else:
                     final = chunk["usage"]["completion_tokens"]
     assert final == r["usage"]["completion_tokens"] == counts[-1]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, openai_client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (left
+    truncation), -1 as many as the context holds; usage and echo show the
+    prompt the model saw."""
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers, json={"prompt": prompt}).json()["tokens"]
+    tail = httpx.post(server.url + "/detokenize", headers=server.headers, json={"tokens": ids[-4:]}).json()["prompt"]
+    c = _completion(server, prompt=prompt, max_tokens=3, truncate_prompt_tokens=4, echo=True)
+    alone = _completion(server, prompt=ids[-4:], max_tokens=3, echo=True)
+    assert c["text"] == alone["text"] and c["text"].startswith(tail)
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json={
+        "prompt": prompt, "max_tokens": 3, "truncate_prompt_tokens": 4})
+    assert r.json()["usage"]["prompt_tokens"] == 4
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json={
+        "prompt": prompt, "max_tokens": 3, "truncate_prompt_tokens": 100})
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)  # shorter than k: whole
+    long = "word " * 3000  # beyond the context
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json={
+        "prompt": long, "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    chat = openai_client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": long}], max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 50})
+    assert chat.usage.prompt_tokens == 50
+    for k, code in ((0, 400), (-2, 400), (10 ** 7, 400)):
+        r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json={
+            "prompt": prompt, "max_tokens": 3, "truncate_prompt_tokens": k})
+        assert r.status_code == code and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("field", ["return_token_ids", "return_tokens_as_token_ids"])
+def test_vllm_token_id_outputs_are_refused_not_ignored(server, field):
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 2, field: True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert _completion(server, max_tokens=2, **{field: False})["text"] is not None

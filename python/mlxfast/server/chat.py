@@ -144,6 +144,7 @@ def prepare(state, chat: ChatRequest) -> Prepared:
     """The engine request for ``chat`` (runs off the event loop: template
     rendering, tokenizing and grammar compiling take time)."""
     prompt, use_tools = render(state, chat)
+    prompt.ids = gen.truncate_prompt(state, prompt.ids, chat.sampling)
     grammar = _grammar(state, chat, prompt, use_tools)
     max_tokens = gen.cap_max_tokens(state, len(prompt.ids), chat.max_tokens, chat.prompt_param)
     params = gen.sampling_params(state, chat.sampling, max_tokens, stop=chat.stop, logprobs=chat.logprobs,

@@ -56,6 +56,21 @@ def cap_max_tokens(state: ServerState, n_prompt: int, requested: int | None, par
     return max(1, min(want, max_len - n_prompt))
 
 
+def truncate_prompt(state: ServerState, ids: list[int], body) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens`` (where the body's API has it): only
+    the prompt's last k tokens, or with -1 as many as the context holds."""
+    k = getattr(body, "truncate_prompt_tokens", None) \
+        if "truncate_prompt_tokens" in getattr(type(body), "model_fields", ()) else None
+    if k is None:
+        return ids
+    if k == -1:
+        k = state.max_model_len
+    elif k > state.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({k}) is more than the model's context "
+                          f"({state.max_model_len} tokens)", "truncate_prompt_tokens")
+    return ids[len(ids) - k:] if len(ids) > k else ids
+
+
 def sampling_params(state: ServerState, body, max_tokens: int, *, stop=None, logprobs=False,
                     top_logprobs=0, grammar=None) -> SamplingParams:
     """SamplingParams from the OpenAI-style fields of ``body`` (and server defaults)."""

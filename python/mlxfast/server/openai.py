@@ -441,6 +441,9 @@ def _completion_prompt(state, p) -> tuple[list[int], str]:
 
 def _prepare_completion(state, body: CompletionRequest, prompt):
     ids, prompt_text = _completion_prompt(state, prompt)
+    kept = gen.truncate_prompt(state, ids, body)
+    if len(kept) < len(ids):  # echo gives back the prompt the model saw
+        ids, prompt_text = kept, state.tokenizer.decode(kept)
     if body.max_tokens == 0:  # score the prompt, generate nothing (OpenAI's echo without a completion)
         if not body.echo:
             raise bad_request("max_tokens must be at least 1 (0 is allowed with echo: the prompt alone)",
