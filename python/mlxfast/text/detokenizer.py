@@ -28,6 +28,8 @@ def _partial_char_len(tail: bytes) -> int:
     complete yet (0 when it ends on a character boundary or an invalid byte),
     by Python's decoder: the maximal-subpart rule the tokenizers' own lossy
     decoding follows."""
+    if not tail or tail[-1] < 0x80:  # ends in ASCII (most tokens): a boundary
+        return 0
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     decoder.decode(tail, final=False)
     return len(decoder.getstate()[0])
