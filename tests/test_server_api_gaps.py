@@ -625,9 +625,82 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, openai_client):
         assert r.status_code == code and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
-@pytest.mark.parametrize("field", ["return_token_ids", "return_tokens_as_token_ids"])
-def test_vllm_token_id_outputs_are_refused_not_ignored(server, field):
-    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
-                   json={"prompt": "Hi", "max_tokens": 2, field: True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == field
-    assert _completion(server, max_tokens=2, **{field: False})["text"] is not None
+def _sse(server, path, body) -> list[dict]:
+    with httpx.stream("POST", server.url + path, headers=server.headers, timeout=60,
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_gives_the_ids_the_model_saw_and_wrote(server, tokenizer):
+    """vLLM's return_token_ids (RL trainers, agent tracing): the prompt's ids
+    and one id per completion token (the EOS that ended it too), streamed as
+    each chunk's ids; the prompt's ids fed back as a prompt give the same
+    answer, token for token."""
+    chat = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12,
+            "temperature": 0, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json=chat).json()
+    prompt_ids, out_ids = r["prompt_token_ids"], r["choices"][0]["token_ids"]
+    templated = httpx.post(server.url + "/tokenize", headers=server.headers,
+                           json={"messages": chat["messages"]}).json()["tokens"]
+    assert prompt_ids == templated and len(prompt_ids) == r["usage"]["prompt_tokens"]
+    assert len(out_ids) == r["usage"]["completion_tokens"] and out_ids
+    assert tokenizer.decode(out_ids, skip_special_tokens=True) == r["choices"][0]["message"]["content"]
+    chunks = _sse(server, "/v1/chat/completions", chat)
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == out_ids
+    # token in, token out: the ids fed back as a text completion's prompt
+    back = _completion(server, prompt=prompt_ids, max_tokens=12, return_token_ids=True)
+    assert back["token_ids"] == out_ids and back["prompt_token_ids"] == prompt_ids
+    plain = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                       json={**chat, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_return_token_ids_on_text_completions(server, tokenizer):
+    """Each choice has its prompt's ids; with echo its token_ids start with
+    them (vLLM's); streamed, a choice's first chunk carries the prompt's ids
+    and the chunks' ids add up to the whole answer's, EOS included."""
+    eos = tokenizer.eos_token_id
+    body = {"prompt": ["The sky is", "One, two,"], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json=body).json()
+    for choice, text in zip(r["choices"], body["prompt"]):
+        ids = httpx.post(server.url + "/tokenize", headers=server.headers, json={"prompt": text}).json()["tokens"]
+        assert choice["prompt_token_ids"] == ids
+        assert tokenizer.decode(choice["token_ids"]) == choice["text"] and len(choice["token_ids"]) == 6
+    echoed = _completion(server, prompt="The sky is", max_tokens=6, echo=True, return_token_ids=True)
+    assert echoed["token_ids"] == r["choices"][0]["prompt_token_ids"] + r["choices"][0]["token_ids"]
+    chunks = _sse(server, "/v1/completions", body)
+    for i, choice in enumerate(r["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    # an answer ended by EOS: its id is the last one, streamed or not
+    ended = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logit_bias": {str(eos): 100},
+             "return_token_ids": True}
+    assert _completion(server, **ended)["token_ids"] == [eos]
+    assert [t for c in _sse(server, "/v1/completions", ended) for t in c["choices"][0]["token_ids"]] == [eos]
+    # an echo streams the prompt's ids with the prompt's text
+    first = _sse(server, "/v1/completions", {**body, "prompt": "The sky is", "echo": True})[0]["choices"][0]
+    assert first["text"] == "The sky is" and first["token_ids"] == r["choices"][0]["prompt_token_ids"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
+    """vLLM's return_tokens_as_token_ids: logprobs name every token
+    "token_id:<id>" (the chosen ones and the alternatives), so bytes that are
+    not text stay identifiable."""
+    r = _completion(server, max_tokens=5, logprobs=2, return_token_ids=True, return_tokens_as_token_ids=True)
+    assert r["logprobs"]["tokens"] == [f"token_id:{t}" for t in r["token_ids"]]
+    for top in r["logprobs"]["top_logprobs"]:
+        assert top and all(k.startswith("token_id:") and k[9:].isdigit() for k in top)
+    c = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    entries = c["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for e in entries for t in e["top_logprobs"])
+    assert entries[0]["bytes"] == list(entries[0]["token"].encode())
+    plain = _completion(server, max_tokens=5, logprobs=2)
+    assert not any(t.startswith("token_id:") for t in plain["logprobs"]["tokens"])

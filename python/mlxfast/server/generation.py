@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -326,3 +327,17 @@ def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
     except Exception:
         b = b""
     return b.decode("utf-8", errors="replace"), list(b)
+
+
+def token_names(tokenizer, as_ids: bool = False):
+    """``token id -> (text, bytes)`` for logprobs; with vLLM's
+    ``return_tokens_as_token_ids`` every token is named ``token_id:<id>``
+    (and its bytes are that name's), so a token whose bytes are not text
+    stays identifiable."""
+    if not as_ids:
+        return functools.partial(token_text, tokenizer)
+
+    def name(token_id: int) -> tuple[str, list[int]]:
+        text = f"token_id:{token_id}"
+        return text, list(text.encode())
+    return name

@@ -88,15 +88,20 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
 # ------------------------------------------------------------ logprobs
 
 
-def _lp_entry(tok, token_id: int, logprob: float | None) -> dict:
-    text, b = gen.token_text(tok, token_id)
+def _lp_entry(names, token_id: int, logprob: float | None) -> dict:
+    text, b = names(token_id)
     return {"token": text, "logprob": logprob, "bytes": b}
 
 
-def chat_logprobs(tok, ev, top_n: int) -> dict:
-    entry = _lp_entry(tok, ev.token_id, ev.logprob)
-    entry["top_logprobs"] = [_lp_entry(tok, i, lp) for i, lp in (ev.top_logprobs or [])[:top_n]]
+def chat_logprobs(names, ev, top_n: int) -> dict:
+    """One token's chat logprobs entry; ``names`` is ``gen.token_names``'s."""
+    entry = _lp_entry(names, ev.token_id, ev.logprob)
+    entry["top_logprobs"] = [_lp_entry(names, i, lp) for i, lp in (ev.top_logprobs or [])[:top_n]]
     return entry
+
+
+def _names(state, body):
+    return gen.token_names(state.tokenizer, bool(body.return_tokens_as_token_ids))
 
 
 # ------------------------------------------------------------ chat
@@ -223,19 +228,21 @@ async def chat_completions(request: Request):
         running = _running_usage(body, [len(ereq.prompt_ids)] * len(requests))
         return sse_response(_chat_stream(state, ereq, steps, len(requests), model, include_usage,
                                          body.top_logprobs or 0, legacy=_legacy(body), running=running,
-                                         echo=_echo_text(body)))
+                                         echo=_echo_text(body), names=_names(state, body),
+                                         token_ids=bool(body.return_token_ids)))
     steps = await gen.run_many(state, requests, parsers, http_request=request,
                                heartbeat_s=state.settings.disconnect_poll_s)
     choices = [_Choice(_echo_text(body)) for _ in requests]
+    names = _names(state, body)
     async for i, step in steps:
-        choices[i].add(step, state.tokenizer, body)
+        choices[i].add(step, names, body)
     finishes = [c.finish for c in choices]
     if any(f is None for f in finishes):  # client went away
         return JSONResponse({}, status_code=499)
     for f in finishes:
         if f.finish_reason == "error":
             raise _engine_error(f)
-    return {
+    out = {
         "id": ereq.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -244,6 +251,9 @@ async def chat_completions(request: Request):
         "choices": [c.to_json(i, body) for i, c in enumerate(choices)],
         "usage": _usage([finishes]),
     }
+    if body.return_token_ids:
+        out["prompt_token_ids"] = list(ereq.prompt_ids)
+    return out
 
 
 def _echo_text(body: ChatCompletionRequest) -> str:
@@ -262,11 +272,14 @@ class _Choice:
 
     def __init__(self, echo: str = ""):
         self.content, self.reasoning, self.calls, self.logprobs = [echo] if echo else [], [], [], []
+        self.token_ids: list[int] = []
         self.finish = None
 
-    def add(self, step, tok, body) -> None:
-        if step.token is not None and body.logprobs:
-            self.logprobs.append(chat_logprobs(tok, step.token, body.top_logprobs or 0))
+    def add(self, step, names, body) -> None:
+        if step.token is not None:
+            self.token_ids.append(step.token.token_id)
+            if body.logprobs:
+                self.logprobs.append(chat_logprobs(names, step.token, body.top_logprobs or 0))
         for p in step.pieces:
             if isinstance(p, ToolCallStart):
                 self.calls.append({"id": new_id("call_"), "type": "function",
@@ -292,9 +305,12 @@ class _Choice:
             finish_reason = "function_call" if finish_reason == "tool_calls" else finish_reason
         elif calls:
             message["tool_calls"] = calls
-        return {"index": index, "message": message,
-                "logprobs": {"content": self.logprobs} if body.logprobs else None,
-                "finish_reason": finish_reason}
+        out = {"index": index, "message": message,
+               "logprobs": {"content": self.logprobs} if body.logprobs else None,
+               "finish_reason": finish_reason}
+        if body.return_token_ids:
+            out["token_ids"] = self.token_ids
+        return out
 
 
 def _legacy(body: ChatCompletionRequest) -> bool:
@@ -354,15 +370,18 @@ def _running_usage(body, prompts: list[int]) -> _RunningUsage | None:
 
 
 async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False, running=None,
-                       echo=""):
+                       echo="", names=None, token_ids=False):
     created = int(time.time())
-    tok = state.tokenizer
+    names = names or gen.token_names(state.tokenizer)
     head = {"id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "system_fingerprint": state.system_fingerprint}
+    unsent: list[list[int]] = [[] for _ in range(n)]  # vLLM's return_token_ids: ids not yet in a chunk
 
-    def chunk(index, delta, finish_reason=None, logprobs=None):
-        body = {**head, "choices": [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    def chunk(index, delta, finish_reason=None, logprobs=None, top=None):
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids:
+            choice["token_ids"], unsent[index] = unsent[index], []
+        body = {**head, **(top or {}), "choices": [choice]}
         if running is not None:
             body["usage"] = running.of(index)
         return data_event(body)
@@ -373,8 +392,11 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
         if running is not None:
             running.step(i, step)
         lp = None
-        if step.token is not None and step.token.logprob is not None:
-            lp = {"content": [chat_logprobs(tok, step.token, top_n)]}
+        if step.token is not None:
+            if token_ids:
+                unsent[i].append(step.token.token_id)
+            if step.token.logprob is not None:
+                lp = {"content": [chat_logprobs(names, step.token, top_n)]}
         sent_lp = False
         for p in step.pieces:
             if isinstance(p, ToolCallStart):
@@ -394,9 +416,11 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
                 key = "reasoning_content" if isinstance(p, ReasoningDelta) else "content"
                 yield chunk(i, {key: p.text}, logprobs=None if sent_lp else lp)
                 sent_lp = True
-        if lp is not None and not sent_lp:
-            yield chunk(i, {"content": ""}, logprobs=lp)
         ev = step.finish
+        # A token that wrote nothing yet still has its chunk when its logprobs
+        # or its id are asked for (a finish chunk would carry the id).
+        if (lp is not None and not sent_lp) or (unsent[i] and (ev is None or ev.finish_reason == "error")):
+            yield chunk(i, {"content": ""}, logprobs=None if sent_lp else lp)
         if ev is not None and ev.finish_reason != "error":
             reason = _finish_reason(ev, n_calls[i])
             yield chunk(i, {}, finish_reason="function_call" if legacy and reason == "tool_calls" else reason)
@@ -404,8 +428,9 @@ async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legac
     def usage_event(finishes):
         return data_event({**head, "choices": [], "usage": _usage([finishes])})
 
-    for i in range(n):
-        yield chunk(i, {"role": "assistant", "content": echo})
+    prompt_ids = {"prompt_token_ids": list(ereq.prompt_ids)} if token_ids else None
+    for i in range(n):  # vLLM's return_token_ids: the prompt's ids ride on each choice's first chunk
+        yield chunk(i, {"role": "assistant", "content": echo}, top=prompt_ids)
     async with aclosing(_sse_choices(steps, n, step_chunks, usage_event if include_usage else None)) as sse:
         async for c in sse:
             yield c
@@ -471,7 +496,7 @@ def _prepare_completion(state, body: CompletionRequest, prompt):
     return ids, prompt_text, ereq
 
 
-def _completion_logprobs(tok, entries, n: int, offset0: int) -> dict:
+def _completion_logprobs(names, entries, n: int, offset0: int) -> dict:
     """OpenAI's legacy logprobs over ``(token id, logprob, top [(id, logprob)] | None)`` entries:
     per position the ``n`` best and the chosen token (so up to n + 1; with
     ``logprobs: 0`` the chosen one alone), None where there is no logprob
@@ -479,12 +504,12 @@ def _completion_logprobs(tok, entries, n: int, offset0: int) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     off = offset0
     for token_id, logprob, top in entries:
-        text, _ = gen.token_text(tok, token_id)
+        text, _ = names(token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
         best = None
         if logprob is not None:
-            best = {gen.token_text(tok, i)[0]: lp for i, lp in (top or [])[:n]}
+            best = {names(i)[0]: lp for i, lp in (top or [])[:n]}
             best.setdefault(text, logprob)
         out["top_logprobs"].append(best)
         out["text_offset"].append(off)
@@ -502,14 +527,14 @@ def _prompt_entries(ids, scores) -> list:
     return [(t, None, None) if sc is None else (t, sc.logprob, sc.top_logprobs) for t, sc in zip(ids, scores)]
 
 
-def _vllm_prompt_logprobs(tok, ids, scores, k: int) -> list | None:
+def _vllm_prompt_logprobs(names, ids, scores, k: int) -> list | None:
     """vLLM's ``prompt_logprobs``: per prompt token None (the first), else
     ``{token id: {logprob, rank, decoded_token}}`` for the token itself and the k best."""
     if scores is None:
         return None
 
     def entry(token_id, logprob, rank):
-        return {"logprob": logprob, "rank": rank, "decoded_token": gen.token_text(tok, token_id)[0]}
+        return {"logprob": logprob, "rank": rank, "decoded_token": names(token_id)[0]}
 
     out: list = [None]
     for t, sc in zip(ids[1:], scores[1:]):
@@ -599,33 +624,47 @@ class _CompletionOut:
 
     def to_json(self, index: int, state, body, ids, prompt_text) -> dict:
         echo = prompt_text if body.echo else ""
+        names = _names(state, body)
         logprobs = None
         if body.logprobs is not None:
-            k, tok = body.logprobs, state.tokenizer
-            logprobs = _completion_logprobs(tok, _token_entries(self.events), k, len(echo))
+            k = body.logprobs
+            logprobs = _completion_logprobs(names, _token_entries(self.events), k, len(echo))
             if body.echo:
-                prompt_lp = _completion_logprobs(tok, _prompt_entries(ids, self.scores), k, 0)
+                prompt_lp = _completion_logprobs(names, _prompt_entries(ids, self.scores), k, 0)
                 logprobs = {key: prompt_lp[key] + logprobs[key] for key in logprobs}
         choice = {"index": index, "text": echo + "".join(self.text), "logprobs": logprobs,
                   "finish_reason": _finish_reason(self.finish, 0)}
         if body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(state.tokenizer, ids, self.scores,
-                                                              body.prompt_logprobs)
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(names, ids, self.scores, body.prompt_logprobs)
+        if body.return_token_ids:  # vLLM's: with echo, token_ids covers the echoed prompt too
+            out_ids = [ev.token_id for ev in self.events]
+            choice["token_ids"] = list(ids) + out_ids if body.echo else out_ids
+            choice["prompt_token_ids"] = list(ids)
         return choice
 
 
 async def _completion_stream(state, rid, prepared, steps, per_prompt, model, body, include_usage,
                              running=None):
     created = int(time.time())
-    tok = state.tokenizer
+    names = _names(state, body)
     n_lp = body.logprobs
     total = len(prepared) * per_prompt
     head = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": state.system_fingerprint}
+    # vLLM's return_token_ids: a choice's first chunk carries its prompt's ids,
+    # every chunk the ids of the tokens it writes (an echo's, the prompt's)
+    token_ids = bool(body.return_token_ids)
+    unsent = [list(prepared[i // per_prompt][0]) if body.echo else [] for i in range(total)]
+    prompt_sent = [False] * total
 
     def chunk(index, text, finish_reason=None, logprobs=None):
-        out = {**head, "choices": [
-            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids:
+            if not prompt_sent[index]:
+                choice["prompt_token_ids"] = list(prepared[index // per_prompt][0])
+                prompt_sent[index] = True
+            choice["token_ids"], unsent[index] = unsent[index], []
+        out = {**head, "choices": [choice]}
         if running is not None:
             out["usage"] = running.of(index)
         return data_event(out)
@@ -644,13 +683,16 @@ async def _completion_stream(state, rid, prepared, steps, per_prompt, model, bod
             if not failed:
                 ids = prepared[i // per_prompt][0]
                 yield chunk(i, echo[i], logprobs=_completion_logprobs(
-                    tok, _prompt_entries(ids, first.prompt_logprobs), n_lp, 0))
+                    names, _prompt_entries(ids, first.prompt_logprobs), n_lp, 0))
             echo[i] = ""
         text = "".join(p.text for p in step.pieces if isinstance(p, ContentDelta))
         lp = None
-        if step.token is not None and n_lp is not None:
-            lp = _completion_logprobs(tok, _token_entries([step.token]), n_lp, offset[i])
-        if text or lp is not None:
+        if step.token is not None:
+            if token_ids:
+                unsent[i].append(step.token.token_id)
+            if n_lp is not None:
+                lp = _completion_logprobs(names, _token_entries([step.token]), n_lp, offset[i])
+        if text or lp is not None or (unsent[i] and step.finish is None):
             yield chunk(i, text, logprobs=lp)
         offset[i] += len(text)
         if step.finish is not None and not failed:

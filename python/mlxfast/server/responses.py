@@ -304,7 +304,7 @@ class _Output:
         self.items: list[dict] = []
         self._open: dict | None = None
         self._calls: dict[int, dict] = {}
-        self._tok, self._logprobs, self._top_n = tokenizer, logprobs, top_n
+        self._names, self._logprobs, self._top_n = gen.token_names(tokenizer), logprobs, top_n
         self._pending_lp: list[dict] = []
         self.reasoning_tokens = 0
 
@@ -340,7 +340,7 @@ class _Output:
         if step.token is not None:
             self.reasoning_tokens += step.reasoning
             if self._logprobs:
-                self._pending_lp.append(chat_logprobs(self._tok, step.token, self._top_n))
+                self._pending_lp.append(chat_logprobs(self._names, step.token, self._top_n))
         out: list[dict] = []
         for p in step.pieces:
             if isinstance(p, ContentDelta):

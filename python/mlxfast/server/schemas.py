@@ -134,7 +134,8 @@ class SamplingFields(SamplingKnobs):
     include_stop_str_in_output: Optional[bool] = False  # vLLM's
     skip_special_tokens: Optional[bool] = None  # vLLM's (default true)
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, le=_INT32_MAX)  # vLLM's
-    # vLLM's token-id outputs (for RL trainers): not served, so refused when asked for
+    # vLLM's token-id outputs (RL trainers, agent tracing): the prompt's and
+    # the output's ids; logprobs naming tokens "token_id:<id>"
     return_token_ids: Optional[bool] = None
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's structured output (grammar.guided_spec reads them)
@@ -155,9 +156,6 @@ class SamplingFields(SamplingKnobs):
     def _vllm_extras(self):
         if self.truncate_prompt_tokens == 0:
             raise FieldError("truncate_prompt_tokens", "must be -1 (as many as the context holds) or at least 1")
-        for name in ("return_token_ids", "return_tokens_as_token_ids"):
-            if getattr(self, name):
-                raise FieldError(name, "is not supported by this server")
         return self
 
     @model_validator(mode="after")
