@@ -704,3 +704,60 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
     assert entries[0]["bytes"] == list(entries[0]["token"].encode())
     plain = _completion(server, max_tokens=5, logprobs=2)
     assert not any(t.startswith("token_id:") for t in plain["logprobs"]["tokens"])
+
+
+def test_a_schema_object_gets_only_its_named_keys(server, openai_client):
+    """Pydantic, instructor, magentic and llm send schemas without
+    additionalProperties; the default model given JSON Schema's own reading
+    added keys of its own until max_tokens (instructor's create failed).
+    Every route that takes a schema closes its objects."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"]}
+    ask = [{"role": "user", "content": "Facts about Paris"}]
+    r = openai_client.chat.completions.create(
+        model="m", messages=ask, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    assert set(json.loads(r.choices[0].message.content)) == {"city", "is_capital"}
+    tool = {"type": "function", "function": {"name": "facts", "parameters": schema}}
+    r = openai_client.chat.completions.create(model="m", messages=ask, max_tokens=60, temperature=0,
+                                              tools=[tool], tool_choice="required")
+    assert set(json.loads(r.choices[0].message.tool_calls[0].function.arguments)) == {"city", "is_capital"}
+    # vLLM's structured_outputs.disable_additional_properties: false gives JSON Schema's reading back
+    opened = openai_client.chat.completions.create(
+        model="m", messages=ask, max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": {"json": schema, "disable_additional_properties": False}})
+    assert opened.choices[0].message.content.startswith('{"city": "Paris", "is_capital": true, "')
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": ask, "structured_outputs": {"json": schema, "disable_additional_properties": "yes"}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "structured_outputs.disable_additional_properties"
+
+
+def test_a_tool_without_parameters_is_called_with_none(openai_client):
+    """OpenAI: omitting parameters defines a function with an empty
+    parameter list; a forced call's arguments were any JSON object."""
+    r = openai_client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, temperature=0,
+        tools=[{"type": "function", "function": {"name": "now", "description": "Current time"}}],
+        tool_choice="required")
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "now" and json.loads(call.function.arguments) == {}
+
+
+def test_an_assistant_refusal_part_is_history(server, tokenizer):
+    """OpenAI's assistant content may hold refusal parts (an earlier answer's
+    refusal sent back): the template sees their text; it was a 400."""
+    def prompt(content):
+        return httpx.post(server.url + "/tokenize", headers=server.headers, json={"messages": [
+            {"role": "user", "content": "x"}, {"role": "assistant", "content": content},
+            {"role": "user", "content": "ok"}]}).json()["tokens"]
+    assert prompt([{"type": "refusal", "refusal": "I can't help with that."}]) == prompt("I can't help with that.")
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": [{"role": "user", "content": "x"},
+                     {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                     {"role": "user", "content": "ok"}], "max_tokens": 3})
+    assert r.status_code == 200
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}], "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

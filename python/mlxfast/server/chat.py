@@ -45,7 +45,7 @@ class ChatRequest:
     output_param: str = "response_format"  # the field named in its errors
     tool_params_param: str = "tools[{i}].function.parameters"  # a tool's schema, as its errors name it
     prompt_param: str = "messages"  # the field a context overflow names
-    guided: tuple | None = None  # vLLM's structured output (grammar.guided_spec): (kind, value, param)
+    guided: tuple | None = None  # vLLM's structured output (grammar.guided_spec): (kind, value, param, extra_keys)
     thinking: bool | None = None  # asked for explicitly (None: the template's default)
     template_kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True

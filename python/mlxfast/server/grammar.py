@@ -13,6 +13,54 @@ from .errors import bad_request
 # Compact JSON: a small model given free whitespace may print newlines forever.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+_SUB_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUB_SCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any, every: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` wherever an object
+    schema lists its ``properties`` and says nothing of others (with
+    ``every``, on every ``type: object`` schema too): the keys the schema
+    names and no others, as llama.cpp's grammars and vLLM's default backend
+    (xgrammar) read such schemas, and as OpenAI's strict mode requires.
+    JSON Schema itself allows any other key, and llguidance follows it: a
+    small model then keeps writing keys of its own until max_tokens.
+    Where keys come from more than one schema, nothing is closed: a schema
+    whose ``allOf`` / ``anyOf`` / ``oneOf`` members name properties, those
+    members when it names its own too, and every ``allOf`` member (closing
+    one would refuse the keys the others name)."""
+    def names_keys(x):
+        return isinstance(x, dict) and isinstance(x.get("properties"), dict)
+
+    def walk(node, keep_open=False):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        composed = [x for k in ("allOf", "anyOf", "oneOf") if isinstance(node.get(k), list) for x in node[k]]
+        out = {}
+        for k, v in node.items():
+            if k in _SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: walk(sub) for name, sub in v.items()}
+            elif k in _SUB_SCHEMAS and isinstance(v, list):
+                shared = k == "allOf" or (k in ("anyOf", "oneOf") and names_keys(node))
+                out[k] = [walk(x, keep_open=shared) for x in v]
+            elif k in _SUB_SCHEMA:
+                out[k] = walk(v)
+            else:
+                out[k] = v
+        objectish = names_keys(out) or (every and out.get("type") == "object")
+        open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+        if objectish and not keep_open and not any(k in out for k in open_keys) \
+                and not any(names_keys(x) for x in composed):
+            out["additionalProperties"] = False
+        return out
+
+    return walk(schema)
+
 
 class GrammarCompiler:
     def __init__(self, tokenizer, n_vocab: int):
@@ -76,14 +124,21 @@ class GrammarCompiler:
 
         return make
 
-    def json_schema(self, schema: dict | None, param: str = "response_format") -> Callable[[], Any]:
-        """Any JSON object (``schema`` None) or one that validates against ``schema``."""
+    def json_schema(self, schema: dict | None, param: str = "response_format", *,
+                    extra_keys: bool | None = None) -> Callable[[], Any]:
+        """Any JSON object (``schema`` None) or one that validates against
+        ``schema``, its objects closed to keys it does not name
+        (``closed_objects``; ``extra_keys``: vLLM's
+        ``disable_additional_properties`` negated: True leaves them open,
+        False closes every object)."""
         import llguidance
 
         if schema is None:
             schema = {"type": "object"}
-        if not isinstance(schema, dict):
+        elif not isinstance(schema, dict):
             raise bad_request(f"{param} must be an object", param)
+        elif extra_keys is not True:
+            schema = closed_objects(schema, every=extra_keys is False)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except (ValueError, TypeError, RecursionError) as e:
@@ -91,14 +146,14 @@ class GrammarCompiler:
                               param) from None
         return self._factory(grammar, param)
 
-    def guided(self, kind: str, value: Any, param: str) -> Callable[[], Any]:
+    def guided(self, kind: str, value: Any, param: str, extra_keys: bool | None = None) -> Callable[[], Any]:
         """vLLM's structured output (``guided_spec``): a JSON schema, a
         regular expression the whole output matches, one of the choices, or
         a grammar (GBNF, as llama.cpp and vLLM's xgrammar take it, or Lark)."""
         import llguidance
 
         if kind == "json":
-            return self.json_schema(value, param)
+            return self.json_schema(value, param, extra_keys=extra_keys)
         if kind == "regex":
             if not isinstance(value, str) or not value:
                 raise bad_request(f"{param} must be a non-empty string", param)
@@ -140,11 +195,12 @@ class GrammarCompiler:
         arg_key = "parameters" if family == "llama3" else "arguments"
         variants, defs = [], {}
         for i, t in enumerate(chosen):
-            params = t.get("parameters") or {"type": "object"}
+            # no parameters: none (OpenAI's "an empty parameter list")
+            params = t.get("parameters") or {"type": "object", "properties": {}}
             if not isinstance(params, dict):
                 raise bad_request(f"{param}: the parameters of tool '{t['name']}' must be a JSON schema object",
                                   param)
-            defs.update(_hoisted_defs(params, f"tool{i}"))
+            defs.update(_hoisted_defs(closed_objects(params), f"tool{i}"))
             variants.append({
                 "type": "object",
                 "properties": {"name": {"const": t["name"]}, arg_key: {"$ref": f"#/$defs/tool{i}"}},
@@ -169,7 +225,8 @@ class GrammarCompiler:
             if not isinstance(answer, dict):
                 raise bad_request(f"{answer_param} must be an object", answer_param)
             lark = lark.replace("start:", "calls:", 1)
-            lark = f"start: calls | answer\nanswer: %json {json.dumps(dict(answer, **{'x-guidance': _JSON_OPTIONS}))}\n" + lark
+            answer = dict(closed_objects(answer), **{'x-guidance': _JSON_OPTIONS})
+            lark = f"start: calls | answer\nanswer: %json {json.dumps(answer)}\n" + lark
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError, RecursionError) as e:
@@ -180,24 +237,31 @@ class GrammarCompiler:
 
 _GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 # Options of vLLM's structured_outputs that only tune its own backends.
-_GUIDED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                   "whitespace_pattern")
+_GUIDED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "whitespace_pattern")
 
 
-def guided_spec(body) -> tuple[str, Any, str] | None:
+def guided_spec(body) -> tuple[str, Any, str, bool | None] | None:
     """vLLM's structured-output request, ``guided_json`` / ``guided_regex`` /
     ``guided_choice`` / ``guided_grammar`` or ``structured_outputs`` {json,
     regex, choice, grammar, json_object}, or llama.cpp's ``json_schema`` / ``grammar``, as (kind,
-    value, the field to name in errors); None when
-    absent. More than one, or a kind mlxfast does not know, is a 400."""
+    value, the field to name in errors, whether a JSON schema's objects take
+    keys it does not name: ``structured_outputs.disable_additional_properties``
+    negated, None when not given); None when absent. More than one, or a
+    kind mlxfast does not know, is a 400."""
     given = [(k, getattr(body, f"guided_{k}", None), f"guided_{k}") for k in _GUIDED_KINDS]
     given += [("json", getattr(body, "json_schema", None), "json_schema"),  # llama.cpp's
               ("grammar", getattr(body, "grammar", None), "grammar")]
     given = [g for g in given if g[1] is not None]
     so = getattr(body, "structured_outputs", None)
+    extra_keys = None
     for key, value in (so or {}).items():
         param = f"structured_outputs.{key}"
         if value is None or key in _GUIDED_OPTIONS:
+            continue
+        if key == "disable_additional_properties":
+            if not isinstance(value, bool):
+                raise bad_request(f"{param} must be a boolean", param)
+            extra_keys = not value
             continue
         if key in _GUIDED_KINDS:
             given.append((key, value, param))
@@ -218,7 +282,7 @@ def guided_spec(body) -> tuple[str, Any, str] | None:
             value = json.loads(value)
         except json.JSONDecodeError:
             raise bad_request(f"{param} is not valid JSON", param) from None
-    return kind, value, param
+    return kind, value, param, extra_keys
 
 
 def _grammar_as_lark(text: Any, param: str) -> str:

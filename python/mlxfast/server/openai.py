@@ -29,7 +29,7 @@ router = APIRouter()
 # ------------------------------------------------------------ messages
 
 
-def _content_text(content, where: str) -> str:
+def _content_text(content, where: str, role: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -40,6 +40,10 @@ def _content_text(content, where: str) -> str:
             if part.text is None:
                 raise bad_request(f"{where}.content[{i}] is a text part without 'text'", "messages")
             texts.append(part.text)
+        elif part.type == "refusal" and role == "assistant":  # an earlier answer's refusal, as its text
+            if part.refusal is None:
+                raise bad_request(f"{where}.content[{i}] is a refusal part without 'refusal'", "messages")
+            texts.append(part.refusal)
         elif part.type in ("image_url", "input_image", "image", "input_audio", "file", "video_url"):
             raise bad_request(
                 f"{where}.content[{i}] is a '{part.type}' part, but this model is text-only "
@@ -55,7 +59,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
-        d: dict[str, Any] = {"role": role, "content": _content_text(m.content, where)}
+        d: dict[str, Any] = {"role": role, "content": _content_text(m.content, where, role)}
         if m.role in ("user", "system", "developer") and m.content is None:
             raise bad_request(f"{where}: a {m.role} message needs content", "messages")
         if m.name is not None:

@@ -32,6 +32,7 @@ class FieldError(ValueError):
 class ContentPart(_Model):
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = None  # an assistant's "refusal" part
 
 
 class FunctionCallIn(_Model):
