@@ -4,7 +4,7 @@ same model (the outputs are identical, greedy, so the ratio is of times).
 
     .venv/bin/python bench/bench_spec.py [--model PATH] [--tokens 160] [--rounds 3]
         [--concurrency 1,8] [--num-draft-tokens 8] [--workloads copy,prose,json]
-        [--matmul-activations int8]
+        [--matmul-activations int8] [--ceiling] [--draft-select all]
 
 Workloads: ``copy`` (source code, then an instruction to reproduce it with a
 small change: the answer re-emits its context) and ``prose`` (answers that
@@ -13,6 +13,19 @@ its forced tokens are the drafts); with ``--draft``, ``draft``: the default
 model converted to float32 as the target, the Q4_1 GGUF as its draft model,
 on prose. Targets (issue #17): copy >= 2x at 1 stream and >= 1.4x at 8;
 prose >= 0.95x; draft >= 1.5x.
+
+``--ceiling`` prints, after each line, the speculating engine's step times
+by the number of tokens the step computed, over steps that decode every
+stream (medians of the engine's own timings of the model step over the
+rounds), and what steps of that many tokens would give if every draft were
+accepted, against the plain engine's measured rate: (N / t(N)) / off tok/s.
+It leaves out the host work between steps that the plain rate pays, so it
+is an upper bound. Where it is below a target no drafting policy reaches
+it: verification is compute, and once a plain step is compute too
+(several streams on few cores) a verified token costs about what a decoded
+one does. With ``--draft-select all`` the engine verifies every proposed
+token (``--draft-select all`` of the server), so the curve reaches
+streams x (1 + --num-draft-tokens) tokens whatever the drafts' chances.
 """
 
 from __future__ import annotations
@@ -96,9 +109,41 @@ def json_grammar(model, tok):
     return compiler.json_schema(schema)
 
 
+def step_times(engine, c: int) -> dict[int, list[float]]:
+    """From now on, ``engine``'s step times (seconds, as the drafter reads
+    them) by the tokens each step computed, for steps that decode all ``c``
+    streams (a token each, and their drafts): no prompt's chunk, no stream
+    finished."""
+    times: dict[int, list[float]] = {}
+    drafter, scheduler = engine.drafter, engine.scheduler
+    done, update, last = drafter.step_done, scheduler.update, []
+
+    def timed(tokens, seconds):
+        last[:] = [seconds]
+        done(tokens, seconds)
+
+    def updated(plan, tokens):
+        if last and len(plan.rows) == c and all(r.n == 1 and r.sample for r in plan.rows):
+            times.setdefault(plan.num_tokens, []).append(last[0])
+        last.clear()
+        return update(plan, tokens)
+
+    drafter.step_done, scheduler.update = timed, updated
+    return times
+
+
+def print_ceiling(times: dict[int, list[float]], off_rate: float) -> None:
+    print(f"  plain engine: {1e3 / off_rate:.3f} ms a token")
+    print(f"  {'tokens':>6} {'steps':>6} {'ms':>8} {'ms/token':>9} {'all accepted':>13}")
+    for n in sorted(times):
+        t = statistics.median(times[n])
+        print(f"  {n:6d} {len(times[n]):6d} {t * 1e3:8.2f} {t * 1e3 / n:9.3f} {n / t / off_rate:12.2f}x")
+
+
 def measure(off, on, batch, args, label, c, grammar=None):
     """Alternating rounds off / on over ``batch``: one line of the table."""
     run(off, batch, 8, grammar), run(on, batch, 8, grammar)  # warm up (and fill the prefix cache alike)
+    times = step_times(on, c) if args.ceiling else None
     ratios, offs, ons, same, drafted, accepted = [], [], [], True, 0, 0
     for _ in range(args.rounds):
         a, ta, _, _ = run(off, batch, args.tokens, grammar)
@@ -112,6 +157,9 @@ def measure(off, on, batch, args, label, c, grammar=None):
     rate = accepted / drafted if drafted else 0.0
     print(f"{label:8} {c:7d} {statistics.median(offs):10.1f} {statistics.median(ons):10.1f} "
           f"{statistics.median(ratios):6.2f} {rate:7.1%}  {same}", flush=True)
+    if times is not None:
+        del on.drafter.step_done, on.scheduler.update  # the classes' own again
+        print_ceiling(times, statistics.median(offs))
 
 
 def draft_bench(args):
@@ -145,6 +193,10 @@ def main():
     ap.add_argument("--matmul-activations", choices=["fp32", "int8"], default="fp32",
                     help="int8: both engines run the opt-in int8-activation matmuls (verification is compute)")
     ap.add_argument("--draft", action="store_true", help="the draft-model workload instead")
+    ap.add_argument("--draft-select", choices=["adaptive", "all"], default="adaptive",
+                    help="all: verify every proposed token (the server's --draft-select)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="after each line, step times by tokens and the ratio if every draft were accepted")
     args = ap.parse_args()
     print(f"{'workload':8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7}  identical")
     if args.draft:
@@ -152,7 +204,8 @@ def main():
     model, tok = mlxfast.load(args.model, matmul_activations=args.matmul_activations)
     cfg = dict(num_blocks=2048, max_num_seqs=16)
     off = Engine(model, tok, EngineConfig(**cfg)).start()
-    on = Engine(model, tok, EngineConfig(spec_kind="ngram", num_draft_tokens=args.num_draft_tokens, **cfg)).start()
+    on = Engine(model, tok, EngineConfig(spec_kind="ngram", num_draft_tokens=args.num_draft_tokens,
+                                         draft_select=args.draft_select, **cfg)).start()
     try:
         for kind in args.workloads.split(","):
             grammar = json_grammar(model, tok) if kind == "json" else None
