@@ -968,3 +968,85 @@ def test_zz_every_route_still_serves(server):
     model = r.json()["data"][0]["id"]
     assert send(server, f"/v1/models/{model}", method="GET").status_code == 200
     assert health(server) == 200
+
+
+# ------------------------------------------------------------ JSON inside strings, and other fuzzed 500s
+# (a schemathesis run and hand probes, session 39): each was a 500.
+
+ARGS_CALL = {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "$A"}}]}
+RESPONSES = "/v1/responses"
+
+
+def _json_in_strings():
+    """Fields that hold JSON as a string: tool-call arguments (chat and
+    Responses) and vLLM's guided_json / structured_outputs.json."""
+    def text(inner: str) -> str:
+        return json.dumps(inner)  # the raw JSON text of a string holding ``inner``
+
+    inners = {"deep": "[" * 2000 + "]" * 2000, "bigint": "[" + "9" * 5000 + "]",
+              "surrogate": '{"a": "\\ud800"}', "inf": "[1e400]"}
+    for name, inner in inners.items():
+        yield pytest.param(CHAT, raw(with_(CHAT, messages=[*USER, ARGS_CALL, {"role": "tool", "tool_call_id": "c1",
+                                                                              "content": "ok"}]), A=text(inner)),
+                           "messages", id=f"chat-arguments-{name}")
+        yield pytest.param(CHAT, raw(with_(CHAT, guided_json="$A"), A=text(inner)), "guided_json",
+                           id=f"chat-guided_json-{name}")
+        yield pytest.param(CMPL, raw(with_(CMPL, structured_outputs={"json": "$A"}), A=text(inner)),
+                           "structured_outputs.json", id=f"completions-structured_outputs-{name}")
+        yield pytest.param(RESPONSES, raw({"max_output_tokens": 16, "input": [
+            {"type": "message", "role": "user", "content": "Hi"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "$A"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, A=text(inner)), "input",
+            id=f"responses-arguments-{name}")
+
+
+@pytest.mark.parametrize("path,content,param", list(_json_in_strings()))
+def test_json_inside_a_string_field_is_checked_like_the_body(server, path, content, param):
+    """Depth, 64-bit integers, valid Unicode and finite numbers hold for JSON
+    a string field carries, as for the body: a 400 naming the field."""
+    r = send(server, path, content=content)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert health(server) == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, with_(CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": [1]}}}], tool_choice="required")),
+    (MSGS, with_(MSGS, tools=[{"name": "f", "input_schema": {"type": "object", "definitions": 5}}],
+                 tool_choice={"type": "any"})),
+], ids=["chat-$defs", "messages-definitions"])
+def test_a_tool_schema_whose_definitions_are_not_an_object(server, path, body):
+    reject(server, path, body, names=("tools",))
+
+
+@pytest.mark.parametrize("text", [5, [1], {"a": 1}, True])
+@pytest.mark.parametrize("path", [MSGS, COUNT])
+def test_an_anthropic_prefill_whose_text_is_not_a_string(server, path, text):
+    body = with_(path, messages=[*USER, {"role": "assistant", "content": [{"type": "text", "text": text}]}])
+    r = send(server, path, body)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert health(server) == 200
+
+
+@pytest.mark.parametrize("key", ["template", "self"])
+@pytest.mark.parametrize("path", [CHAT, TOK])
+def test_template_variables_named_like_the_renderers_parameters(server, path, key):
+    """Template variables are passed as one mapping: any name is a variable
+    (``template`` and ``self`` collided with the renderer's parameters)."""
+    body = with_(path, messages=USER, chat_template_kwargs={key: "x"})
+    body.pop("prompt", None)
+    r = send(server, path, body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400"])
+def test_a_number_beyond_floats_is_refused(server, number):
+    """1e400 parses to infinity: refused like Infinity, not taken as a
+    schema's ``const`` (the output was forced to null)."""
+    content = raw(with_(CHAT, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"const": "$N"}}}), N=number)
+    err = reject(server, CHAT, content=content, names=("response_format",))
+    assert "finite" in err["message"]

@@ -374,3 +374,52 @@ def test_llama_cpp_names_of_health_and_detokenize(fake_client):
     ids = c.post("/tokenize", json={"prompt": "Hello there"}, headers={"x-api-key": "k"}).json()["tokens"]
     body = c.post("/detokenize", json={"tokens": ids}, headers={"x-api-key": "k"}).json()
     assert body == {"prompt": "Hello there", "content": "Hello there"}
+
+
+def test_an_unexpected_error_is_a_500_and_the_connection_lives(fake_client):
+    """An exception no handler takes is a 500 in each API's shape, and the
+    keep-alive connection it came on serves the next request: Starlette's
+    handler answered, then re-raised to uvicorn, which dropped the
+    connection unannounced, so a client's next request on it failed."""
+    import threading
+    import time
+
+    import uvicorn
+    from conftest import free_port
+
+    c, eng = fake_client("hello there")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(c.app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            def local_port(r):
+                return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+            eng.fail_submit = RuntimeError("boom")
+            r = http.post("/v1/chat/completions", json={"messages": USER})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert "boom" in r.json()["error"]["message"]
+            first = local_port(r)
+            r = http.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": USER})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+            eng.fail_submit = None
+            r = http.post("/v1/chat/completions", json={"messages": USER})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello there"
+            assert local_port(r) == first  # one connection throughout
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.mark.parametrize("timeout", ["inf", "1e400", "1e10", "nan", "-1", "soon"])
+def test_cache_flush_timeout_must_be_a_sane_number_of_seconds(fake_client, timeout):
+    """A wait past the clock's range was a 500 (and NaN was taken)."""
+    c, _ = fake_client("x")
+    r = c.post(f"/admin/cache/flush?timeout={timeout}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+    assert c.post("/admin/cache/flush?timeout=5").status_code == 200

@@ -76,6 +76,9 @@ async def stats(request: Request):
     }
 
 
+MAX_FLUSH_TIMEOUT_S = 86400  # a day; a wait past the clock's range was an internal error
+
+
 @router.post("/admin/cache/flush")
 async def cache_flush(request: Request):
     """Write every cached KV block to the SSD tier and wait until it is durable:
@@ -85,7 +88,9 @@ async def cache_flush(request: Request):
     try:
         timeout = float(request.query_params.get("timeout", 60))
     except ValueError:
-        raise bad_request("timeout must be a number of seconds", "timeout") from None
+        timeout = math.nan
+    if not 0 <= timeout <= MAX_FLUSH_TIMEOUT_S:  # NaN too
+        raise bad_request(f"timeout must be a number of seconds from 0 to {MAX_FLUSH_TIMEOUT_S}", "timeout")
     result = await asyncio.to_thread(engine.flush_cache, timeout)
     return JSONResponse(_jsonable(result), status_code=200 if result.get("durable") else 503)
 

@@ -135,7 +135,10 @@ def _prefill(body) -> bool:
     if any(isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks):
         raise bad_request(f"messages[{len(body.messages) - 1}]: the conversation ends with the assistant's "
                           "tool_use; send its tool_result in a user message", "messages")
-    text = "".join(b.get("text") or "" for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+    texts = [b.get("text") for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
+    if not all(t is None or isinstance(t, str) for t in texts):
+        raise bad_request(f"messages[{len(body.messages) - 1}]: a text block's 'text' must be a string", "messages")
+    text = "".join(t or "" for t in texts)
     if not text:
         return False  # nothing to continue: a new turn, as without the message
     if body.thinking is not None and body.thinking.type != "disabled":
@@ -246,7 +249,7 @@ class _Args:
         holds (cut off, or cut where it stopped being JSON)."""
         try:
             v = json.loads(self.text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             try:
                 v = pydantic_core.from_json(self.text, allow_partial=True)
             except ValueError:

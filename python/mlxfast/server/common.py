@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import string
 from typing import Any, Callable, TypeVar
@@ -14,7 +15,7 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -86,7 +87,10 @@ def check_json_value(value: Any) -> None:
         v, node, depth = stack.pop()
         if isinstance(v, str):
             _check_string(v, node)
-        elif isinstance(v, bool) or v is None or isinstance(v, float):
+        elif isinstance(v, float):
+            if not math.isfinite(v):  # NaN and Infinity are refused by name; 1e400 parses as inf
+                _reject(node, "holds a number too large to be finite")
+        elif isinstance(v, bool) or v is None:
             continue
         elif isinstance(v, int):
             if not _INT_MIN <= v <= _INT_MAX:
@@ -123,6 +127,25 @@ def loads_body(raw: bytes) -> dict:
         raise bad_request("the request body must be a JSON object")
     check_json_value(data)
     return data
+
+
+def loads_field(text: str, what: str, param: str) -> Any:
+    """JSON held in a string field (a tool call's arguments, a schema sent
+    as text) under the body's rules (finite numbers, 64-bit integers, valid
+    Unicode, bounded depth); a 400 naming ``what`` and ``param`` otherwise."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep", param) from None
+    except json.JSONDecodeError:
+        raise bad_request(f"{what} is not valid JSON", param) from None
+    except ValueError as e:  # NaN/Infinity, or an integer beyond Python's digit limit
+        raise bad_request(f"{what} is not valid JSON: {e}", param) from None
+    try:
+        check_json_value(value)
+    except APIError as e:
+        raise bad_request(f"{what}: {e.message}", param) from None
+    return value
 
 
 # Bodies above this are parsed and validated in a worker thread.

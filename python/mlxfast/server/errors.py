@@ -146,7 +146,35 @@ def install_handlers(app: FastAPI) -> None:
             request.url.path, APIError(exc.status_code, msg, headers=dict(exc.headers or {}))
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(request.url.path, APIError(500, f"internal error: {exc}", "server_error"))
+    app.add_middleware(_Unexpected)
+
+
+class _Unexpected:
+    """ASGI middleware: an exception no handler took becomes a 500 in the
+    API's error shape, and the connection stays usable. (Starlette's
+    handler for ``Exception`` answers, then re-raises to the server, which
+    drops the keep-alive connection: a client's next request on it failed.)
+    Once a response has started (a stream) nothing more can be said: that
+    one is re-raised."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001  (the last resort)
+            if started:
+                raise
+            log.exception("unhandled error on %s", scope.get("path", ""))
+            await error_response(scope.get("path", ""), APIError(500, f"internal error: {exc}", "server_error"))(
+                scope, receive, send)

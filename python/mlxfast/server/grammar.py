@@ -8,6 +8,7 @@ import json
 import threading
 from typing import Any, Callable
 
+from .common import loads_field
 from .errors import bad_request
 
 # Compact JSON: a small model given free whitespace may print newlines forever.
@@ -200,6 +201,10 @@ class GrammarCompiler:
             if not isinstance(params, dict):
                 raise bad_request(f"{param}: the parameters of tool '{t['name']}' must be a JSON schema object",
                                   param)
+            for section in ("$defs", "definitions"):
+                if section in params and not isinstance(params[section], dict):
+                    raise bad_request(f"{param}: the parameters of tool '{t['name']}' are not a JSON schema "
+                                      f"mlxfast can enforce: {section} must be an object of schemas", param)
             defs.update(_hoisted_defs(closed_objects(params), f"tool{i}"))
             variants.append({
                 "type": "object",
@@ -278,10 +283,7 @@ def guided_spec(body) -> tuple[str, Any, str, bool | None] | None:
         raise bad_request("give one structured output: " + ", ".join(g[2] for g in given), given[1][2])
     kind, value, param = given[0]
     if kind == "json" and isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise bad_request(f"{param} is not valid JSON", param) from None
+        value = loads_field(value, param, param)
     return kind, value, param, extra_keys
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import aclosing
 from typing import Any
@@ -15,7 +14,7 @@ from ..text.prompt import text_ids
 from . import chat
 from . import generation as gen
 from .chat import ChatRequest
-from .common import new_id, off_loop, ready_body, state_of
+from .common import loads_field, new_id, off_loop, ready_body, state_of
 from .errors import APIError, bad_request
 from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallStart
 from .grammar import guided_spec
@@ -75,10 +74,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
             for c in m.tool_calls:
                 args = c.function.arguments
                 if isinstance(args, str):
-                    try:
-                        args = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
-                        raise bad_request(f"{where}: tool call arguments are not valid JSON", "messages") from None
+                    args = loads_field(args, f"{where}: tool call arguments", "messages") if args.strip() else {}
                 calls.append({"id": c.id or new_id("call_"), "type": "function",
                               "function": {"name": c.function.name, "arguments": args}})
             d["tool_calls"] = calls

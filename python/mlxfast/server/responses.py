@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from . import chat
 from . import generation as gen
 from .chat import ChatRequest
-from .common import new_id, off_loop, ready_body, state_of
+from .common import loads_field, new_id, off_loop, ready_body, state_of
 from .errors import APIError, bad_request
 from .events import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from .openai import chat_logprobs
@@ -125,10 +125,7 @@ def to_messages(items: list) -> list[dict]:
             args = item.get("arguments", "")
             if not isinstance(args, str):
                 raise bad_request(f"{where}: 'arguments' must be a string of JSON", "input")
-            try:
-                parsed = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise bad_request(f"{where}: 'arguments' is not valid JSON", "input") from None
+            parsed = loads_field(args, f"{where}: 'arguments'", "input") if args.strip() else {}
             msg = assistant()
             take_reasoning(msg)
             msg.setdefault("tool_calls", []).append(
@@ -410,7 +407,7 @@ class _Output:
             else:
                 try:
                     args = json.loads(item["arguments"])
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # the model's own text: kept as written
                     args = item["arguments"]
                 msg.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",

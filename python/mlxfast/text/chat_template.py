@@ -295,6 +295,7 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
 def render_chat_template(
     template: str,
     messages: Sequence[Mapping[str, Any]],
+    /,
     *,
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
@@ -314,8 +315,10 @@ def render_chat_template(
     token = _deadline.set(time.monotonic() + RENDER_SECONDS)
     try:
         out, n = [], 0
-        for piece in compiled.generate(messages=_normalize_messages(messages), tools=tools,
-                                       add_generation_prompt=add_generation_prompt, **template_kwargs):
+        # one dict, not keywords: any variable name is allowed (jinja's own is `self`)
+        variables = {**template_kwargs, "messages": _normalize_messages(messages), "tools": tools,
+                     "add_generation_prompt": add_generation_prompt}
+        for piece in compiled.generate(variables):
             n += len(piece)
             if n > MAX_CHARS:
                 raise _limit(f"a prompt of more than {MAX_CHARS} characters")

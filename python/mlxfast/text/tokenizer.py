@@ -258,12 +258,14 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         *,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render a conversation to the prompt text (not tokenized)."""
+        """Render a conversation to the prompt text (not tokenized). Positional
+        ``messages``: a template variable of any other name is a keyword."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
