@@ -98,3 +98,11 @@ def test_closing_objects_leaves_keys_shared_across_schemas_open():
     pattern = {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}}
     assert "additionalProperties" not in closed_objects(pattern)
     assert closed_objects(CITY) is not CITY and "additionalProperties" not in CITY  # the request's own is untouched
+
+
+def test_a_compiler_panic_reaches_the_client_without_its_backtrace():
+    from mlxfast.server.grammar import _one_line
+
+    panic = ("panic: assertion failed: grammar.symbols.len() < u16::MAX\n<backtrace>\n"
+             "   0: <unknown>\n   1: <unknown>\n" + "   2: frame\n" * 200)
+    assert _one_line(panic) == "panic: assertion failed: grammar.symbols.len() < u16::MAX"

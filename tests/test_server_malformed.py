@@ -1050,3 +1050,12 @@ def test_a_number_beyond_floats_is_refused(server, number):
         "name": "x", "schema": {"const": "$N"}}}), N=number)
     err = reject(server, CHAT, content=content, names=("response_format",))
     assert "finite" in err["message"]
+
+
+def test_an_error_quotes_the_request_within_bounds(server):
+    """A 1 MB model name or previous_response_id came back whole in the 404."""
+    huge = "m" * 500_000
+    for r in (send(server, RESPONSES, {"input": "Hi", "max_output_tokens": 4, "previous_response_id": huge}),
+              send(server, "/v1/models/" + "m" * 20_000, method="GET")):
+        assert r.status_code == 404 and len(r.content) < 4000, (r.status_code, len(r.content))
+        assert "more characters" in r.json()["error"]["message"]

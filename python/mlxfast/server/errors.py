@@ -41,6 +41,16 @@ _STATUS_TYPES = {
 }
 
 
+# An error message quotes the request at most this much (a 1 MB id came back whole).
+MAX_MESSAGE_CHARS = 2000
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+
+
 class APIError(Exception):
     """An error answered to the client as JSON (shape chosen by the route)."""
 
@@ -53,6 +63,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
+        message = _bounded(message)
         super().__init__(message)
         self.status = status
         self.message = message

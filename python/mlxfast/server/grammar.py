@@ -333,6 +333,7 @@ def _one_line(message: str) -> str:
     """A compiler's message on one line: its lines joined, without the
     caret lines that point into a quoted pattern (a regex error's detail
     comes after them)."""
+    message = message.split("<backtrace>")[0].split("stack backtrace:")[0]  # a compiler panic's trace
     lines = [ln.strip() for ln in message.strip().splitlines()]
     return " ".join(ln for ln in lines if ln.strip("^~ "))[:300] or "unknown error"
 
