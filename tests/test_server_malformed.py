@@ -1059,3 +1059,14 @@ def test_an_error_quotes_the_request_within_bounds(server):
               send(server, "/v1/models/" + "m" * 20_000, method="GET")):
         assert r.status_code == 404 and len(r.content) < 4000, (r.status_code, len(r.content))
         assert "more characters" in r.json()["error"]["message"]
+
+
+def test_count_tokens_refuses_what_messages_refuses(server):
+    """A forced tool whose schema cannot be enforced: /v1/messages is a 400,
+    and count_tokens said 200 with a count (it never compiled the grammar)."""
+    tools = [{"name": "f", "input_schema": SELF_REQUIRED}]
+    for path in (MSGS, COUNT):
+        reject(server, path, with_(path, tools=tools, tool_choice={"type": "any"}), names=("tools", "schema"))
+    ok = send(server, COUNT, with_(COUNT, tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                   tool_choice={"type": "any"}))
+    assert ok.status_code == 200 and ok.json()["input_tokens"] > 0

@@ -402,5 +402,4 @@ async def _stream(ereq, steps, model, n_prompt):
 async def count_tokens(request: Request):
     state, body = await ready_body(request, AnthropicCountRequest)
     state.resolve_model(body.model)
-    prompt, _ = await off_loop(lambda: chat.render(state, chat_request(body)))
-    return {"input_tokens": len(prompt.ids)}
+    return {"input_tokens": await off_loop(lambda: chat.count(state, chat_request(body)))}

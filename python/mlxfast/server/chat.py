@@ -140,6 +140,15 @@ def _grammar(state, chat: ChatRequest, prompt: ChatPrompt, use_tools: bool):
     return None
 
 
+def count(state, chat: ChatRequest) -> int:
+    """The prompt's tokens, for a request that would be accepted: its
+    grammar compiled too, so a body the generation route refuses is refused
+    here as well (Anthropic's count_tokens)."""
+    prompt, use_tools = render(state, chat)
+    _grammar(state, chat, prompt, use_tools)
+    return len(prompt.ids)
+
+
 def prepare(state, chat: ChatRequest) -> Prepared:
     """The engine request for ``chat`` (runs off the event loop: template
     rendering, tokenizing and grammar compiling take time)."""
