@@ -370,9 +370,8 @@ def _running_usage(body, prompts: list[int]) -> _RunningUsage | None:
 
 
 async def _chat_stream(state, ereq, steps, n, model, include_usage, top_n, legacy=False, running=None,
-                       echo="", names=None, token_ids=False):
+                       echo="", *, names, token_ids=False):
     created = int(time.time())
-    names = names or gen.token_names(state.tokenizer)
     head = {"id": ereq.request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "system_fingerprint": state.system_fingerprint}
     unsent: list[list[int]] = [[] for _ in range(n)]  # vLLM's return_token_ids: ids not yet in a chunk
