@@ -77,6 +77,24 @@ def test_unknown_route_and_method(server):
     assert r.status_code == 404 and r.json()["type"] == "error"
 
 
+def test_a_405_names_every_method_the_path_takes(server):
+    # /v1/responses/{id} is two routes (GET and DELETE); POST has its own path.
+    r = httpx.request("PUT", server.url + "/v1/responses/resp_x", headers=server.headers)
+    assert_openai_error(r, 405)
+    assert {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "HEAD", "DELETE"}
+    r = httpx.get(server.url + CHAT, headers=server.headers)
+    assert r.headers["allow"] == "POST"
+
+
+def test_get_routes_answer_head_with_headers_only(server):
+    get = httpx.get(server.url + "/health")
+    head = httpx.head(server.url + "/health")
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    head = httpx.head(server.url + "/v1/models", headers=server.headers)
+    assert head.status_code == 200 and head.content == b""
+
+
 def test_auth(server):
     r = post(server, CHAT, {"messages": MSGS}, key=False)
     assert assert_openai_error(r, 401)["type"] == "authentication_error"

@@ -159,6 +159,28 @@ def _alias_without_v1(app: FastAPI) -> None:
                                   include_in_schema=False)
 
 
+class _HeadAsGet:
+    """ASGI middleware: HEAD is answered as GET without the body, as
+    Starlette's own routes do (FastAPI's take only the methods they name):
+    load balancers and uptime checks probe ``HEAD /health``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="mlxfast", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mlxfast = state
@@ -171,6 +193,7 @@ def create_app(state: ServerState) -> FastAPI:
     if state.settings.webui:
         app.include_router(webui.router)  # the chat page at /
     app.add_middleware(_Guard, state=state)
+    app.add_middleware(_HeadAsGet)
     origins = state.settings.allowed_origins
     if origins:
         # Outside the guard: a browser's preflight carries no credentials, and

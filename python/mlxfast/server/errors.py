@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger("mlxfast.server")
 
@@ -149,15 +150,28 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             msg = f"unknown route {request.method} {request.url.path}"
-        elif exc.status_code == 405:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
             msg = f"method {request.method} not allowed on {request.url.path}"
-        else:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        elif exc.status_code != 404:
             msg = str(exc.detail)
-        return error_response(
-            request.url.path, APIError(exc.status_code, msg, headers=dict(exc.headers or {}))
-        )
+        return error_response(request.url.path, APIError(exc.status_code, msg, headers=headers))
 
     app.add_middleware(_Unexpected)
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route takes at this path. (Starlette's 405 names
+    the first matching route's only: ``/v1/responses/{id}`` has a GET route
+    and a DELETE route.) HEAD goes wherever GET does (``_HeadAsGet``)."""
+    def takes(method: str) -> bool:
+        scope = {**request.scope, "method": "GET" if method == "HEAD" else method}
+        return any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes)
+    return [m for m in _METHODS if takes(m)]
 
 
 class _Unexpected:
