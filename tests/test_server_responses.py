@@ -417,6 +417,17 @@ def test_input_items_lists_every_item_in_order(client, server):
     assert [d["id"] for d in rest["data"]] == [d["id"] for d in asc["data"][2:]] and rest["has_more"] is False
 
 
+def test_input_item_ids_are_strings_or_made(client, server):
+    inp = [{"type": "message", "role": "user", "content": "one", "id": None},
+           {"type": "message", "role": "user", "content": "two", "id": "msg_mine"}]
+    r = client.responses.create(model="m", input=inp, max_output_tokens=2, temperature=0)
+    ids = [d["id"] for d in get(server, f"/v1/responses/{r.id}/input_items?order=asc").json()["data"]]
+    assert ids[0].startswith("msg_") and ids[0] != "msg_mine" and ids[1] == "msg_mine"
+    for bad in (123, {"x": 1}, ["a"]):
+        r = post(server, {"model": "m", "input": [{"type": "message", "role": "user", "content": "x", "id": bad}]})
+        assert r.status_code == 400 and "input[0]: 'id' must be a string" in r.json()["error"]["message"], r.text
+
+
 # ---------------------------------------------------------------- 5. continuation carries the history
 
 

@@ -100,6 +100,8 @@ def to_messages(items: list) -> list[dict]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object (an input item)", "input")
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise bad_request(f"{where}: 'id' must be a string", "input")
         t = item.get("type", "message" if "role" in item else None)
         if not isinstance(t, str):
             raise bad_request(f"{where} needs a 'type' (or a 'role', for a message)", "input")
@@ -273,7 +275,8 @@ def _input_items(body: ResponsesRequest) -> list[dict]:
     for given in raw:
         item = copy.deepcopy(given)
         kind = item.setdefault("type", "message")
-        item.setdefault("id", new_id(_ITEM_ID_PREFIXES.get(kind, "item_")))
+        if item.get("id") is None:  # absent or null (clients send null for items they made)
+            item["id"] = new_id(_ITEM_ID_PREFIXES.get(kind, "item_"))
         if kind == "message":
             part_type = "output_text" if item.get("role") == "assistant" else "input_text"
             if isinstance(item.get("content"), str):
