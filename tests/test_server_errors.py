@@ -66,6 +66,9 @@ def test_completion_bad_requests(server):
     assert_openai_error(post(server, "/v1/completions", {"prompt": [10 ** 9]}), 400, "prompt")
     assert_openai_error(post(server, "/v1/completions", {"prompt": "x", "logprobs": 50}), 400, "logprobs")
     assert_openai_error(post(server, "/v1/completions", {"max_tokens": 3}), 400, "prompt")
+    for mixed in (["a", [1, 2]], [[1, 2], 3], ["a", 3]):
+        err = assert_openai_error(post(server, "/v1/completions", {"prompt": mixed}), 400, "prompt")
+        assert "not a mix" in err["message"], err
 
 
 def test_unknown_route_and_method(server):

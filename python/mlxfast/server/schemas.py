@@ -238,6 +238,16 @@ class CompletionRequest(SamplingFields):
     best_of: Optional[int] = Field(default=None, ge=1, le=128)
     response_format: Optional[ResponseFormat] = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_is_one_kind(cls, v):
+        # The union's own error names only its first member ("a valid string").
+        if isinstance(v, list) and len({str if isinstance(p, str) else list if isinstance(p, list) else int
+                                         for p in v}) > 1:
+            raise ValueError("prompt is a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists, not a mix of them")
+        return v
+
 
 class TokenizeRequest(_ChatTemplateFlags):
     """vLLM's /tokenize (a prompt, or messages rendered as chat completions
