@@ -423,3 +423,19 @@ def test_cache_flush_timeout_must_be_a_sane_number_of_seconds(fake_client, timeo
     r = c.post(f"/admin/cache/flush?timeout={timeout}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
     assert c.post("/admin/cache/flush?timeout=5").status_code == 200
+
+
+@pytest.mark.parametrize("settings,want", [({}, None), ({"default_max_tokens": 100}, 100)])
+def test_a_request_without_max_tokens_gets_the_servers_default(fake_client, settings, want):
+    # No --max-tokens: as many as the context leaves (OpenAI's, vLLM's and
+    # llama.cpp's default; Codex CLI sends none and fails on a cut answer).
+    c, eng = fake_client("Hi", **settings)
+    for path, body in (("/v1/chat/completions", {"messages": USER}),
+                       ("/v1/responses", {"input": "hi"}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        assert c.post(path, json=body).status_code == 200
+        req = eng.requests[-1]
+        room = eng.max_model_len - len(req.prompt_ids)
+        assert req.params.max_tokens == (room if want is None else want), path
+    c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 7})
+    assert eng.requests[-1].params.max_tokens == 7

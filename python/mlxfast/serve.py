@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="build each decode step while the previous one evaluates (default on; "
                         "--no-async-scheduling runs the steps one after another)")
-    p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens when a request omits it")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default max_tokens when a request omits it (default: as many as the context leaves "
+                        "room for, as OpenAI, vLLM and llama.cpp's server do)")
     p.add_argument("--temp", type=float, default=None, help="default temperature when a request omits it")
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
     p.add_argument("--top-k", type=int, default=None, help="default top_k")
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_billing_header=args.keep_billing_header, responses_store_size=args.responses_store_size,
         webui=args.webui,
     )
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         return _fail("--max-tokens must be at least 1")
     if args.matmul_activations == "int8":
         from .ops import int8_activations_unsupported, on_cpu

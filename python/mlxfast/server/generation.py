@@ -54,7 +54,8 @@ def cap_max_tokens(state: ServerState, n_prompt: int, requested: int | None, par
     if n_prompt >= max_len:
         raise context_overflow(n_prompt, max_len, param)
     want = requested if requested is not None else state.settings.default_max_tokens
-    return max(1, min(want, max_len - n_prompt))
+    room = max_len - n_prompt
+    return max(1, min(want, room)) if want is not None else room
 
 
 def truncate_prompt(state: ServerState, ids: list[int], body) -> list[int]:

@@ -17,7 +17,7 @@ from . import metrics
 class ServerSettings:
     model_name: str = "default"
     api_key: str | None = None
-    default_max_tokens: int = 512
+    default_max_tokens: int | None = None  # None: as many as the context leaves room for
     default_temperature: float | None = None  # None: the API's default (1.0)
     default_top_p: float | None = None
     default_top_k: int | None = None
