@@ -428,6 +428,78 @@ def test_input_item_ids_are_strings_or_made(client, server):
         assert r.status_code == 400 and "input[0]: 'id' must be a string" in r.json()["error"]["message"], r.text
 
 
+def _weather_in(namespace: str) -> dict:
+    inner = {k: v for k, v in WEATHER.items()}
+    return {"type": "namespace", "name": namespace, "description": "Weather tools.", "tools": [inner]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_namespace_tools_functions_are_called_with_their_namespace(client, stream):
+    # Codex CLI groups tools in namespaces (its multi-agent tools): the model
+    # sees the functions, the call comes back with its namespace.
+    kw = dict(model="m", input=ASK_WEATHER, tools=[_weather_in("wx")],
+              tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40, temperature=0)
+    if stream:
+        with client.responses.stream(**kw) as s:
+            added = [e.item for e in s if e.type == "response.output_item.added"]
+            r = s.get_final_response()
+        assert [(i.name, i.namespace) for i in added] == [("get_weather", "wx")]
+    else:
+        r = client.responses.create(**kw)
+    (call,) = calls_of(r)
+    assert (call.name, call.namespace) == ("get_weather", "wx")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    # the same prompt as the function offered plainly: flattening adds only the namespace's description
+    plain = client.responses.create(**{**kw, "tools": [dict(WEATHER, description="Weather tools. " +
+                                                            WEATHER["description"])]})
+    assert plain.usage.input_tokens == r.usage.input_tokens
+    assert calls_of(plain)[0].arguments == call.arguments
+    # sent back (with its namespace) and answered, statelessly
+    r2 = client.responses.create(model="m", store=False, tools=[_weather_in("wx")], max_output_tokens=4,
+                                 input=[{"role": "user", "content": ASK_WEATHER}, call.model_dump(exclude_none=True),
+                                        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert r2.status in ("completed", "incomplete")
+
+
+def test_functions_sharing_a_name_are_told_apart_by_namespace(client):
+    from mlxfast.server.responses import ToolNames
+
+    names = ToolNames([(None, "get_weather"), ("wx", "get_weather"), ("wx", "alerts")])
+    assert names.shown(None, "get_weather") == "get_weather" and names.shown("wx", "get_weather") == "wx.get_weather"
+    assert names.shown("wx", "alerts") == "alerts" and names.origin("wx.get_weather") == ("wx", "get_weather")
+    assert names.chosen("alerts") == "alerts" and names.chosen("get_weather") == "get_weather"
+    small = {"type": "function", "name": "get_weather",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    for choice, namespace in (("get_weather", None), ("wx.get_weather", "wx")):
+        r = client.responses.create(model="m", input=ASK_WEATHER, max_output_tokens=24, temperature=0,
+                                    tools=[small, {"type": "namespace", "name": "wx", "description": "",
+                                                   "tools": [small]}],
+                                    tool_choice={"type": "function", "name": choice})
+        (call,) = calls_of(r)
+        assert (call.name, call.namespace) == ("get_weather", namespace)
+
+
+def test_an_output_without_call_id_names_its_tool(client):
+    # Codex CLI's goals: an output the client made, named, with no call before it.
+    r = client.responses.create(model="m", max_output_tokens=4, tools=[_weather_in("agent")], input=[
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "function_call_output", "name": "get_weather", "namespace": "agent", "output": "goal: x"}])
+    assert r.status in ("completed", "incomplete")
+    bare = client.responses.create(model="m", max_output_tokens=4, input=[{"type": "message", "role": "user",
+                                                                           "content": "hi"}])
+    assert r.usage.input_tokens > bare.usage.input_tokens + 3  # the output reached the prompt
+
+
+def test_hosted_web_search_is_accepted_and_never_called(client, server):
+    # Codex CLI offers it by default; nothing here can search, so the model is not shown it.
+    kw = dict(model="m", input=YES, max_output_tokens=8, temperature=0)
+    r = client.responses.create(tools=[{"type": "web_search", "external_web_access": False}], **kw)
+    bare = client.responses.create(**kw)
+    assert r.status == bare.status and text_of(r) == text_of(bare)
+    assert r.usage.input_tokens == bare.usage.input_tokens and not calls_of(r)
+    assert [t.type for t in r.tools] == ["web_search"]  # echoed as given
+
+
 # ---------------------------------------------------------------- 5. continuation carries the history
 
 
@@ -504,7 +576,15 @@ BAD = [
     ("arguments not JSON", {"input": _MSG + [
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{not json"},
         {"type": "function_call_output", "call_id": "call_1", "output": "x"}]}, "input", ["arguments", "JSON"]),
-    ("web_search", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools", ["web_search"]),
+    ("web_search forced", {"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice", ["web_search"]),
+    ("function_call_output without call_id or name", {"input": _MSG + [
+        {"type": "function_call_output", "output": "x"}]}, "input", ["call_id", "name"]),
+    ("custom tool in a namespace", {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "description": "d",
+                                                              "tools": [{"type": "custom", "name": "patch"}]}]},
+     "tools", ["tools[0].tools[0]", "custom"]),
+    ("namespace without a name", {"input": "hi", "tools": [{"type": "namespace", "description": "d", "tools": []}]},
+     "tools", ["namespace", "name"]),
     ("file_search", {"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]},
      "tools", ["file_search"]),
     ("computer_use_preview", {"input": "hi", "tools": [{"type": "computer_use_preview", "display_width": 800,
@@ -550,8 +630,9 @@ def test_bad_input_is_a_400(server, body, param, words, stream):
 
 def test_bad_input_through_sdk(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}], max_output_tokens=2)
-    assert e.value.status_code == 400 and "web_search" in e.value.message
+        client.responses.create(model="m", input="hi", tools=[{"type": "file_search", "vector_store_ids": ["v"]}],
+                                max_output_tokens=2)
+    assert e.value.status_code == 400 and "file_search" in e.value.message
     assert e.value.body["param"].startswith("tools")
 
 

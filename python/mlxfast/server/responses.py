@@ -36,6 +36,11 @@ router = APIRouter()
 _HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
                  "file_search", "computer", "computer_use_preview", "mcp", "code_interpreter",
                  "image_generation", "local_shell", "shell", "apply_patch")
+# Web search, which Codex CLI offers by default: accepted and never offered
+# to the model (there is no search here), as a model that chose not to
+# search; forcing it with tool_choice is a 400. The other hosted tools act
+# on the client's data (files, a computer, a container): a 400.
+_OFFERED_ELSEWHERE = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
 # Input items that only hosted tools make.
 _HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "computer_call_output",
                  "code_interpreter_call", "image_generation_call", "local_shell_call", "local_shell_call_output",
@@ -73,6 +78,13 @@ def _text_parts(content, where: str, role: str) -> str:
     return "".join(texts)
 
 
+def _namespace(item: dict, where: str) -> str | None:
+    ns = item.get("namespace")
+    if ns is not None and (not isinstance(ns, str) or not ns):
+        raise bad_request(f"{where}: 'namespace' must be a non-empty string", "input")
+    return ns
+
+
 def _string(item: dict, key: str, where: str) -> str:
     v = item.get(key)
     if not isinstance(v, str) or not v:
@@ -80,8 +92,10 @@ def _string(item: dict, key: str, where: str) -> str:
     return v
 
 
-def to_messages(items: list) -> list[dict]:
-    """Responses input items -> chat messages (Hugging Face template form)."""
+def to_messages(items: list, names: ToolNames | None = None) -> list[dict]:
+    """Responses input items -> chat messages (Hugging Face template form);
+    calls name their functions as ``names`` shows them to the model."""
+    names = names or ToolNames([])
     out: list[dict] = []
     reasoning: list[str] = []  # reasoning items wait for the assistant turn they belong to
 
@@ -124,6 +138,7 @@ def to_messages(items: list) -> list[dict]:
                 out.append({"role": "system" if role == "developer" else role, "content": text})
         elif t == "function_call":
             name, call_id = _string(item, "name", where), _string(item, "call_id", where)
+            name = names.shown(_namespace(item, where), name)
             args = item.get("arguments", "")
             if not isinstance(args, str):
                 raise bad_request(f"{where}: 'arguments' must be a string of JSON", "input")
@@ -133,7 +148,15 @@ def to_messages(items: list) -> list[dict]:
             msg.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}})
         elif t == "function_call_output":
-            call_id = _string(item, "call_id", where)
+            # call_id, or else the tool's name (and namespace): an output
+            # the client made without a call (Codex CLI's goals).
+            call_id = _string(item, "call_id", where) if item.get("call_id") is not None else None
+            name = None
+            if call_id is None:
+                if item.get("name") is None:
+                    raise bad_request(f"{where}: a function_call_output needs a 'call_id' (or the tool's 'name')",
+                                      "input")
+                name = names.shown(_namespace(item, where), _string(item, "name", where))
             output = item.get("output")
             if isinstance(output, list):
                 output = _text_parts(output, where, "tool")
@@ -141,7 +164,9 @@ def to_messages(items: list) -> list[dict]:
                 raise bad_request(f"{where}: 'output' must be a string or a list of content parts", "input")
             if out and out[-1]["role"] == "assistant":
                 out[-1]["_closed"] = True
-            out.append({"role": "tool", "content": tool_message_content(output), "tool_call_id": call_id})
+            msg = {"role": "tool", "content": tool_message_content(output)}
+            msg.update({"tool_call_id": call_id} if call_id is not None else {"name": name})
+            out.append(msg)
         elif t == "reasoning":
             texts = []
             for key in ("content", "summary"):  # its full text where given, else its summary
@@ -166,36 +191,95 @@ def to_messages(items: list) -> list[dict]:
     return out
 
 
-def _tools(body: ResponsesRequest) -> list[dict] | None:
-    if not body.tools:
-        return None
-    tools = []
-    for i, t in enumerate(body.tools):
-        where = f"tools[{i}]"
+class ToolNames:
+    """Function tools as the model is shown them, and back. A namespace
+    tool's functions are shown under their own names, or as
+    ``namespace.name`` where another function has the same name; a call
+    goes back to the client as (namespace, name), as OpenAI's
+    ``function_call`` items carry it."""
+
+    def __init__(self, pairs: list[tuple[str | None, str]]):
+        counts: dict[str, int] = {}
+        for _, name in pairs:
+            counts[name] = counts.get(name, 0) + 1
+        self._shown: dict[tuple[str | None, str], str] = {}
+        self._origin: dict[str, tuple[str | None, str]] = {}
+        for ns, name in pairs:
+            shown = name if ns is None or counts[name] == 1 else f"{ns}.{name}"
+            self._shown.setdefault((ns, name), shown)
+            self._origin.setdefault(shown, (ns, name))
+
+    def shown(self, namespace: str | None, name: str) -> str:
+        return self._shown.get((namespace, name), name)
+
+    def origin(self, shown: str) -> tuple[str | None, str]:
+        return self._origin.get(shown, (None, shown))
+
+    def chosen(self, name: str) -> str:
+        """tool_choice's function by its own name (one in a namespace too)."""
+        if name in self._origin:
+            return name
+        matches = [s for (_, n), s in self._shown.items() if n == name]
+        return matches[0] if len(matches) == 1 else name
+
+
+def _function(t: dict, where: str, param: str, context: str | None = None) -> dict:
+    """A function tool in the chat layer's form (``context``: its namespace's description)."""
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}: a function tool needs a non-empty 'name'", f"{param}.name")
+    params = t.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise bad_request(f"{where}: 'parameters' must be a JSON schema object", f"{param}.parameters")
+    desc = t.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise bad_request(f"{where}: 'description' must be a string", f"{param}.description")
+    desc = " ".join(filter(None, (context, desc)))
+    fn = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
+    if desc:
+        fn["description"] = desc
+    return fn
+
+
+def _unsupported_tool(typ, where: str, param: str) -> APIError:
+    if typ in _HOSTED_TOOLS:
+        return bad_request(f"{where} is the hosted tool '{typ}', which mlxfast does not run; "
+                           "define it as a function tool instead", f"{param}.type")
+    if typ == "custom":
+        return bad_request(f"{where} is a custom (free-form input) tool, which mlxfast does not support; "
+                           "define it as a function tool with a JSON schema instead", f"{param}.type")
+    return bad_request(f"{where} has unknown tool type {typ!r} (mlxfast runs function tools, "
+                       "also in namespaces)", f"{param}.type")
+
+
+def _tools(body: ResponsesRequest) -> tuple[list[dict] | None, ToolNames]:
+    """The request's function tools, a namespace's flattened, in the chat
+    layer's form (shown names), and the names' map."""
+    found: list[tuple[str | None, dict]] = []
+    for i, t in enumerate(body.tools or []):
+        where = param = f"tools[{i}]"
         typ = t.get("type") if isinstance(t, dict) else None
-        if typ != "function":
-            if typ in _HOSTED_TOOLS:
-                raise bad_request(f"{where} is the hosted tool '{typ}', which mlxfast does not run; "
-                                  "define it as a function tool instead", f"tools[{i}].type")
-            if typ == "custom":
-                raise bad_request(f"{where} is a custom (free-form input) tool, which mlxfast does not support; "
-                                  "define it as a function tool with a JSON schema instead", f"tools[{i}].type")
-            raise bad_request(f"{where} has unknown tool type {typ!r} (mlxfast runs function tools)",
-                              f"tools[{i}].type")
-        name = t.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"{where}: a function tool needs a non-empty 'name'", f"tools[{i}].name")
-        params = t.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"{where}: 'parameters' must be a JSON schema object", f"tools[{i}].parameters")
-        desc = t.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise bad_request(f"{where}: 'description' must be a string", f"tools[{i}].description")
-        fn = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
-        if desc:
-            fn["description"] = desc
-        tools.append({"type": "function", "function": fn})
-    return tools
+        if typ == "function":
+            found.append((None, _function(t, where, param)))
+        elif typ == "namespace":
+            ns, inner, desc = t.get("name"), t.get("tools"), t.get("description")
+            if not isinstance(ns, str) or not ns:
+                raise bad_request(f"{where}: a namespace needs a non-empty 'name'", f"{param}.name")
+            if not isinstance(inner, list):
+                raise bad_request(f"{where}: a namespace's 'tools' must be a list", f"{param}.tools")
+            if desc is not None and not isinstance(desc, str):
+                raise bad_request(f"{where}: 'description' must be a string", f"{param}.description")
+            for j, u in enumerate(inner):
+                w = p = f"{param}.tools[{j}]"
+                kind = u.get("type") if isinstance(u, dict) else None
+                if kind != "function":
+                    raise _unsupported_tool(kind, w, p)
+                found.append((ns, _function(u, w, p, desc)))
+        elif typ not in _OFFERED_ELSEWHERE:
+            raise _unsupported_tool(typ, where, param)
+    names = ToolNames([(ns, fn["name"]) for ns, fn in found])
+    tools = [{"type": "function", "function": {**fn, "name": names.shown(ns, fn["name"])}} for ns, fn in found]
+    return tools or None, names
 
 
 def _tool_choice(choice) -> tuple[str, str | None]:
@@ -231,16 +315,18 @@ def _unsupported(body: ResponsesRequest) -> None:
 def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatRequest:
     """A Responses body (and the conversation it continues) in the chat layer's form."""
     _unsupported(body)
+    tools, names = _tools(body)
     if isinstance(body.input, str):
         messages = [{"role": "user", "content": body.input}]
     else:
-        messages = to_messages(body.input)
+        messages = to_messages(body.input, names)
     messages = history + messages
     if body.instructions:  # this request's only: instructions do not carry over a continuation
         messages = [{"role": "system", "content": body.instructions}] + messages
     if not messages:
         raise bad_request("input is empty", "input")
     choice, forced = _tool_choice(body.tool_choice)
+    forced = names.chosen(forced) if forced is not None else None
     fmt = body.text.format if body.text is not None else None
     schema = None
     if fmt is not None and fmt.type == "json_schema":
@@ -252,7 +338,7 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatRequest:
     if body.parallel_tool_calls is False:
         limit = 1
     return ChatRequest(
-        messages=messages, sampling=body, max_tokens=body.max_output_tokens, tools=_tools(body),
+        messages=messages, sampling=body, max_tokens=body.max_output_tokens, tools=tools,
         tool_choice=choice, forced_tool=forced, max_tool_calls=limit,
         json_output=fmt is not None and fmt.type != "text", output_schema=schema, output_param="text.format",
         template_kwargs=template_kwargs_for(effort, None, effort_param="reasoning.effort"),
@@ -300,8 +386,9 @@ class _Output:
     (without sequence numbers); a non-streamed response drops them, so both
     build the same items."""
 
-    def __init__(self, tokenizer, logprobs: bool, top_n: int):
+    def __init__(self, tokenizer, logprobs: bool, top_n: int, names: ToolNames | None = None):
         self.items: list[dict] = []
+        self._tool_names = names or ToolNames([])
         self._open: dict | None = None
         self._calls: dict[int, dict] = {}
         self._names, self._logprobs, self._top_n = gen.token_names(tokenizer), logprobs, top_n
@@ -358,8 +445,12 @@ class _Output:
                             "output_index": self._index, "summary_index": 0, "delta": p.text})
             elif isinstance(p, ToolCallStart):
                 out += self.close()
-                out += self._add({"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"),
-                                  "name": p.name, "arguments": "", "status": "in_progress"})
+                ns, name = self._tool_names.origin(p.name)
+                item = {"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"),
+                        "name": name, "arguments": "", "status": "in_progress"}
+                if ns is not None:
+                    item["namespace"] = ns
+                out += self._add(item)
                 self._calls[p.index] = self._open
             elif isinstance(p, ToolCallArgs):
                 item = self._calls[p.index]
@@ -414,7 +505,8 @@ class _Output:
                     args = item["arguments"]
                 msg.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",
-                     "function": {"name": item["name"], "arguments": args}})
+                     "function": {"name": self._tool_names.shown(item.get("namespace"), item["name"]),
+                                  "arguments": args}})
         return [msg] if len(msg) > 2 or msg["content"] else []
 
 
@@ -427,7 +519,7 @@ class _Turn:
         self.created_at = int(time.time())
         self.n_prompt = len(prepared.request.prompt_ids)
         self.params = prepared.request.params
-        self.output = _Output(state.tokenizer, _wants_logprobs(body), body.top_logprobs or 0)
+        self.output = _Output(state.tokenizer, _wants_logprobs(body), body.top_logprobs or 0, _tools(body)[1])
 
     def response(self, status: str, finish=None, error: dict | None = None) -> dict:
         b = self.body
