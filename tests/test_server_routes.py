@@ -439,3 +439,20 @@ def test_a_request_without_max_tokens_gets_the_servers_default(fake_client, sett
         assert req.params.max_tokens == (room if want is None else want), path
     c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 7})
     assert eng.requests[-1].params.max_tokens == 7
+
+
+@pytest.mark.parametrize("number", ["1e999", "-1e999", "NaN", "Infinity"])
+def test_a_call_whose_numbers_json_cannot_carry_is_answered(fake_client, number):
+    # The model's arguments held a number beyond a double: the response
+    # failed to serialise (a 500). Such numbers become null, as JSON.stringify writes them.
+    out = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, %s]}}\n</tool_call>' % number
+    c, _ = fake_client(out)
+    r = c.post("/v1/messages", json={"model": "m", "max_tokens": 200, "messages": USER, "tools": A_TOOLS})
+    assert r.status_code == 200, r.text
+    (block,) = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+    assert block["input"] == {"city": "Paris", "n": [1, None]}
+    for path, body in (("/v1/chat/completions", {"messages": USER, "tools": TOOLS}),
+                       ("/v1/responses", {"input": "hi", "tools": [dict(type="function", **TOOLS[0]["function"])]})):
+        r = c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        json.loads(r.text)  # strict JSON: no Infinity or NaN literals

@@ -4,7 +4,6 @@ mapped onto the same engine requests as the OpenAI routes."""
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import pydantic_core
@@ -12,6 +11,7 @@ import pydantic_core
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from ..text.tool_calls import finite, model_json
 from . import chat
 from . import generation as gen
 from .chat import ChatRequest
@@ -248,10 +248,10 @@ class _Args:
         """The input object: the whole JSON, or what the kept start of it
         holds (cut off, or cut where it stopped being JSON)."""
         try:
-            v = json.loads(self.text)
-        except (ValueError, RecursionError):
+            v = model_json(self.text)
+        except ValueError:
             try:
-                v = pydantic_core.from_json(self.text, allow_partial=True)
+                v = finite(pydantic_core.from_json(self.text, allow_partial=True))
             except ValueError:
                 v = {}
         return v if isinstance(v, dict) else {}

@@ -36,6 +36,7 @@ end; one that does not parse as a call is given back as its raw text.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Union
@@ -216,8 +217,8 @@ def _call_from_obj(obj: Any, arg_keys=("arguments", "parameters")) -> ToolCall |
             break
     if isinstance(args, str):
         try:
-            parsed = json.loads(args)
-        except json.JSONDecodeError:
+            parsed = model_json(args)
+        except ValueError:
             return None
         args = parsed
     if not isinstance(args, dict):
@@ -295,8 +296,8 @@ class _CallObject:
 
     def _whole(self, raw: str) -> list[Event]:
         try:
-            call = _call_from_obj(json.loads(raw), self.arg_keys)
-        except json.JSONDecodeError:
+            call = _call_from_obj(model_json(raw), self.arg_keys)
+        except ValueError:
             call = None
         if call is None:
             self.valid = False
@@ -661,6 +662,35 @@ def markup() -> tuple[str, ...]:
     """Every parser's markers: a tokenizer may hold them as special tokens,
     whose text must still reach the parsers when special tokens are skipped."""
     return (HermesParser.START, HermesParser.END, _LLAMA_TAG, MistralParser.START, MistralParser.ARGS)
+
+
+def model_json(text: str) -> Any:
+    """JSON the model wrote, as Python values. A number beyond a double
+    (1e999) or NaN/Infinity becomes None, as JavaScript's JSON.stringify
+    writes them: the API's JSON cannot carry them (a response holding one
+    failed to serialise). ValueError when it is not JSON, or is nested
+    deeper than the parser goes."""
+    try:
+        return finite(json.loads(text))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every non-finite float in it replaced by None (in place
+    where it is a container; iterative, for any depth)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in list(items):
+            if isinstance(v, float) and not math.isfinite(v):
+                node[k] = None
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
+    return value
 
 
 def render_tool_call(family: str, name: str, arguments: dict | str) -> str:
