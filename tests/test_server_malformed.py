@@ -987,18 +987,39 @@ def _json_in_strings():
     inners = {"deep": "[" * 2000 + "]" * 2000, "bigint": "[" + "9" * 5000 + "]",
               "surrogate": '{"a": "\\ud800"}', "inf": "[1e400]"}
     for name, inner in inners.items():
-        yield pytest.param(CHAT, raw(with_(CHAT, messages=[*USER, ARGS_CALL, {"role": "tool", "tool_call_id": "c1",
-                                                                              "content": "ok"}]), A=text(inner)),
-                           "messages", id=f"chat-arguments-{name}")
+        if name != "inf":  # a past call's arguments: what the model wrote (test_a_past_calls_..._are_taken)
+            yield pytest.param(CHAT, raw(with_(CHAT, messages=[*USER, ARGS_CALL, {"role": "tool", "tool_call_id": "c1",
+                                                                                  "content": "ok"}]), A=text(inner)),
+                               "messages", id=f"chat-arguments-{name}")
         yield pytest.param(CHAT, raw(with_(CHAT, guided_json="$A"), A=text(inner)), "guided_json",
                            id=f"chat-guided_json-{name}")
         yield pytest.param(CMPL, raw(with_(CMPL, structured_outputs={"json": "$A"}), A=text(inner)),
                            "structured_outputs.json", id=f"completions-structured_outputs-{name}")
-        yield pytest.param(RESPONSES, raw({"max_output_tokens": 16, "input": [
-            {"type": "message", "role": "user", "content": "Hi"},
-            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "$A"},
-            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, A=text(inner)), "input",
-            id=f"responses-arguments-{name}")
+        if name != "inf":
+            yield pytest.param(RESPONSES, _responses_call(text(inner)), "input", id=f"responses-arguments-{name}")
+
+
+def _responses_call(arguments_text: str) -> bytes:
+    return raw({"max_output_tokens": 16, "input": [
+        {"type": "message", "role": "user", "content": "Hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "$A"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, A=arguments_text)
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "NaN", "Infinity"])
+def test_a_past_calls_arguments_beyond_floats_are_taken(server, number):
+    """A past call's arguments are what a model wrote, sent back: a number
+    JSON cannot carry reads as null (as the server's own answers write it),
+    not a 400 for the server's own output. The same prompt as with null."""
+    def both(args: str) -> list:
+        chat = raw(with_(CHAT, messages=[*USER, ARGS_CALL, {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+                         max_tokens=1), A=json.dumps(args))
+        return [send(server, CHAT, content=chat), send(server, RESPONSES, content=_responses_call(json.dumps(args)))]
+
+    got, want = both('{"x": [1, %s]}' % number), both('{"x": [1, null]}')
+    for g, w, key in zip(got, want, ("prompt_tokens", "input_tokens")):
+        assert g.status_code == 200, g.text
+        assert g.json()["usage"][key] == w.json()["usage"][key]
 
 
 @pytest.mark.parametrize("path,content,param", list(_json_in_strings()))

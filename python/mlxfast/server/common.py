@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from ..text.tool_calls import finite
 from .errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
@@ -129,12 +130,18 @@ def loads_body(raw: bytes) -> dict:
     return data
 
 
-def loads_field(text: str, what: str, param: str) -> Any:
+def loads_field(text: str, what: str, param: str, *, model_output: bool = False) -> Any:
     """JSON held in a string field (a tool call's arguments, a schema sent
     as text) under the body's rules (finite numbers, 64-bit integers, valid
-    Unicode, bounded depth); a 400 naming ``what`` and ``param`` otherwise."""
+    Unicode, bounded depth); a 400 naming ``what`` and ``param`` otherwise.
+    ``model_output``: text a model wrote (a past call's arguments, sent
+    back), whose numbers beyond a double or NaN/Infinity become null, as the
+    server's own answers write them (``tool_calls.finite``): an agent sends
+    back what it was given."""
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=None if model_output else _reject_constant)
+        if model_output:
+            value = finite(value)
     except RecursionError:
         raise bad_request(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep", param) from None
     except json.JSONDecodeError:

@@ -74,7 +74,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
             for c in m.tool_calls:
                 args = c.function.arguments
                 if isinstance(args, str):
-                    args = loads_field(args, f"{where}: tool call arguments", "messages") if args.strip() else {}
+                    args = loads_field(args, f"{where}: tool call arguments", "messages", model_output=True) if args.strip() else {}
                 calls.append({"id": c.id or new_id("call_"), "type": "function",
                               "function": {"name": c.function.name, "arguments": args}})
             d["tool_calls"] = calls

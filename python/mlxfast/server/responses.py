@@ -142,7 +142,7 @@ def to_messages(items: list, names: ToolNames | None = None) -> list[dict]:
             args = item.get("arguments", "")
             if not isinstance(args, str):
                 raise bad_request(f"{where}: 'arguments' must be a string of JSON", "input")
-            parsed = loads_field(args, f"{where}: 'arguments'", "input") if args.strip() else {}
+            parsed = loads_field(args, f"{where}: 'arguments'", "input", model_output=True) if args.strip() else {}
             msg = assistant()
             take_reasoning(msg)
             msg.setdefault("tool_calls", []).append(
