@@ -159,6 +159,47 @@ def test_anthropic_400s(server, body, needle):
     assert needle in j["error"]["message"]
 
 
+def _count(server, messages, beta="mid-conversation-tool-changes-2026-07-01") -> httpx.Response:
+    return httpx.post(server.url + "/v1/messages/count_tokens", timeout=30, json={"model": "m", "messages": messages},
+                      headers={"x-api-key": server.api_key, "anthropic-version": "2023-06-01", "anthropic-beta": beta})
+
+
+def test_a_system_message_in_the_conversation_reaches_the_prompt(server, anthropic_client):
+    # Claude Code's first request puts its environment in a trailing
+    # role "system" message (the mid-conversation betas): it was a 400.
+    env = [{"type": "text", "text": "# Environment\nWorking directory: /tmp", "cache_control": {"type": "ephemeral"}}]
+    plain = _count(server, Q).json()["input_tokens"]
+    with_env = _count(server, Q + [{"role": "system", "content": env}])
+    assert with_env.status_code == 200, with_env.text
+    assert with_env.json()["input_tokens"] > plain + 5
+    r = anthropic_client.messages.create(model="local", max_tokens=4, messages=Q + [{"role": "system", "content": env}],
+                                         extra_body={"temperature": 0})
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == with_env.json()["input_tokens"]
+    # clear_at next_user_message: shown only for the user turn it follows
+    two = Q + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Spain?"}]
+    base = _count(server, two).json()["input_tokens"]
+    cleared = [*two[:1], {"role": "system", "content": env, "clear_at": "next_user_message"}, *two[1:]]
+    kept = [*two[:1], {"role": "system", "content": env, "clear_at": "never"}, *two[1:]]
+    assert _count(server, cleared).json()["input_tokens"] == base
+    assert _count(server, kept).json()["input_tokens"] > base + 5
+    last = two + [{"role": "system", "content": "Be brief.", "clear_at": "next_user_message", "output_config": {}}]
+    assert _count(server, last).json()["input_tokens"] > base
+
+
+@pytest.mark.parametrize("message,needle", [
+    ({"role": "system", "content": [{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "x"}}]},
+     "tool_addition"),
+    ({"role": "system", "content": "x", "output_config": {"effort": "low"}}, "output_config"),
+    ({"role": "user", "content": "x", "clear_at": "never"}, "clear_at"),
+    ({"role": "system", "content": "x", "clear_at": "later"}, "clear_at"),
+])
+def test_what_a_system_message_cannot_carry_is_a_400(server, message, needle):
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(server.url + path, timeout=30, json={"model": "m", "max_tokens": 4, "messages": Q + [message]},
+                       headers={"x-api-key": server.api_key, "anthropic-version": "2023-06-01"})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
 def test_sdk_errors(anthropic_client, server):
     with pytest.raises(anthropic.BadRequestError):
         create(anthropic_client, messages=[{"role": "user", "content": "x " * 400}])  # > context

@@ -47,14 +47,41 @@ def _system_text(system) -> str | None:
     return "\n".join(_block_text(b, f"system[{i}]") for i, b in enumerate(system))
 
 
+def _system_message(m, where: str) -> str:
+    """A mid-conversation system message's text (its place in the prompt is
+    the template's: templates that take one system message only get them
+    joined, see prompts.py)."""
+    if m.output_config and any(v is not None for v in m.output_config.values()):
+        raise bad_request(f"{where}.output_config: per-message output settings are not supported; "
+                          "set output_config on the request")
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for j, b in enumerate(m.content):
+        if isinstance(b, dict) and b.get("type") in ("tool_addition", "tool_removal"):
+            raise bad_request(f"{where}.content[{j}]: '{b['type']}' blocks (tools changed mid-conversation) "
+                              "are not supported; send the tools in 'tools'")
+        parts.append(_block_text(b, f"{where}.content[{j}]"))
+    return "".join(parts)
+
+
 def to_messages(body) -> list[dict]:
     """Anthropic system + messages -> HF template messages."""
     out: list[dict] = []
     system = _system_text(body.system)
     if system:
         out.append({"role": "system", "content": system})
+    if body.messages and all(m.role == "system" for m in body.messages):
+        raise bad_request("messages: a conversation needs a user message; role 'system' messages only add "
+                          "to one", "messages")
     for i, m in enumerate(body.messages):
         where = f"messages[{i}]"
+        if m.role == "system":
+            text = _system_message(m, where)
+            later_user = any(n.role == "user" for n in body.messages[i + 1:])
+            if text and not (m.clear_at == "next_user_message" and later_user):
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue

@@ -274,8 +274,19 @@ class DetokenizeRequest(_Model):
 
 
 class AnthropicMessage(_Model):
-    role: Literal["user", "assistant"]
+    # "system": the mid-conversation system messages of the
+    # mid-conversation-* betas (Claude Code sends its environment so).
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[dict]]
+    clear_at: Optional[Literal["next_user_message", "never"]] = None
+    output_config: Optional[dict] = None
+
+    @model_validator(mode="after")
+    def _system_only_fields(self):
+        for name in ("clear_at", "output_config"):
+            if getattr(self, name) is not None and self.role != "system":
+                raise FieldError(name, f"{name} is only permitted on role 'system' messages")
+        return self
 
 
 class AnthropicTool(_Model):
