@@ -148,13 +148,13 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        headers = dict(exc.headers or {})
         if exc.status_code == 404:
             msg = f"unknown route {request.method} {request.url.path}"
-        headers = dict(exc.headers or {})
-        if exc.status_code == 405:
+        elif exc.status_code == 405:
             msg = f"method {request.method} not allowed on {request.url.path}"
             headers["Allow"] = ", ".join(allowed_methods(request))
-        elif exc.status_code != 404:
+        else:
             msg = str(exc.detail)
         return error_response(request.url.path, APIError(exc.status_code, msg, headers=headers))
 

@@ -40,7 +40,7 @@ _HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "w
 # to the model (there is no search here), as a model that chose not to
 # search; forcing it with tool_choice is a 400. The other hosted tools act
 # on the client's data (files, a computer, a container): a 400.
-_OFFERED_ELSEWHERE = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
+_WEB_SEARCH = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
 # Input items that only hosted tools make.
 _HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "computer_call_output",
                  "code_interpreter_call", "image_generation_call", "local_shell_call", "local_shell_call_output",
@@ -275,7 +275,7 @@ def _tools(body: ResponsesRequest) -> tuple[list[dict] | None, ToolNames]:
                 if kind != "function":
                     raise _unsupported_tool(kind, w, p)
                 found.append((ns, _function(u, w, p, desc)))
-        elif typ not in _OFFERED_ELSEWHERE:
+        elif typ not in _WEB_SEARCH:
             raise _unsupported_tool(typ, where, param)
     names = ToolNames([(ns, fn["name"]) for ns, fn in found])
     tools = [{"type": "function", "function": {**fn, "name": names.shown(ns, fn["name"])}} for ns, fn in found]
