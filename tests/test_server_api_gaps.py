@@ -761,3 +761,36 @@ def test_an_assistant_refusal_part_is_history(server, tokenizer):
     r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
         "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}], "max_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+# ---------------------------------------------------------------- stop strings and forced calls
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+@pytest.mark.parametrize("stop", [["\n"], [","], ["add"]])
+def test_stop_strings_do_not_cut_a_forced_call(openai_client, stop):
+    # The stop matched inside the call's markup and the answer was empty
+    # (finish_reason stop, no call). A forced call is the whole answer.
+    kw = dict(model="m", messages=[{"role": "user", "content": "Add 2 and 3."}], temperature=0, max_tokens=60,
+              tools=[ADD], tool_choice="required")
+    want = openai_client.chat.completions.create(**kw).choices[0]
+    got = openai_client.chat.completions.create(stop=stop, **kw).choices[0]
+    assert want.finish_reason == got.finish_reason == "tool_calls"
+    assert [c.function.arguments for c in got.message.tool_calls] == \
+        [c.function.arguments for c in want.message.tool_calls]
+    # where text is the answer, the stop string still cuts it
+    text = openai_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
+                                                 temperature=0, max_tokens=30, stop=[","])
+    assert "," not in (text.choices[0].message.content or "") and text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_sequences_do_not_cut_a_forced_tool_use(anthropic_client):
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"]}}
+    r = anthropic_client.messages.create(model="m", max_tokens=60, stop_sequences=["the", "\n"],
+                                         messages=[{"role": "user", "content": "What's the weather in Rome?"}],
+                                         tools=[tool], tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"], r
+    assert isinstance(r.content[0].input["city"], str)

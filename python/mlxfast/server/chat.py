@@ -156,7 +156,11 @@ def prepare(state, chat: ChatRequest) -> Prepared:
     prompt.ids = gen.truncate_prompt(state, prompt.ids, chat.sampling)
     grammar = _grammar(state, chat, prompt, use_tools)
     max_tokens = gen.cap_max_tokens(state, len(prompt.ids), chat.max_tokens, chat.prompt_param)
-    params = gen.sampling_params(state, chat.sampling, max_tokens, stop=chat.stop, logprobs=chat.logprobs,
+    # A forced call is the whole answer (the grammar allows nothing else):
+    # stop strings cut only text, as OpenAI's and Anthropic's do, not a call's
+    # markup ("the" in "get_weather" left an empty answer).
+    stop = None if _forces_call(chat, use_tools) else chat.stop
+    params = gen.sampling_params(state, chat.sampling, max_tokens, stop=stop, logprobs=chat.logprobs,
                                  top_logprobs=chat.top_logprobs, grammar=grammar)
     request = EngineRequest(prompt_ids=prompt.ids, params=params, request_id=new_id(chat.id_prefix),
                             cache_salt=chat.cache_salt or "")
