@@ -31,16 +31,15 @@ from .sse import named_event, sse_response
 
 router = APIRouter()
 
-# Tools OpenAI runs on its side, or whose calls only its models make;
-# mlxfast runs none of them.
-_HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
-                 "file_search", "computer", "computer_use_preview", "mcp", "code_interpreter",
-                 "image_generation", "local_shell", "shell", "apply_patch")
 # Web search, which Codex CLI offers by default: accepted and never offered
 # to the model (there is no search here), as a model that chose not to
 # search; forcing it with tool_choice is a 400. The other hosted tools act
 # on the client's data (files, a computer, a container): a 400.
 _WEB_SEARCH = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
+# Tools OpenAI runs on its side, or whose calls only its models make;
+# mlxfast runs none of them.
+_HOSTED_TOOLS = _WEB_SEARCH + ("file_search", "computer", "computer_use_preview", "mcp", "code_interpreter",
+                               "image_generation", "local_shell", "shell", "apply_patch")
 # Input items that only hosted tools make.
 _HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "computer_call_output",
                  "code_interpreter_call", "image_generation_call", "local_shell_call", "local_shell_call_output",
